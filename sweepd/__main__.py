@@ -1,0 +1,3 @@
+from sweepd.cli import entry
+
+entry()

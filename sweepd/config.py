@@ -1,0 +1,767 @@
+"""YAML + environment + Python declarations -> ``Settings``, with every problem located.
+
+Loading happens in three passes, and each collects all of its problems
+before giving up, so an operator fixes a file in one round instead of one
+error per run:
+
+1. the file is parsed with positions kept (``yamlfile``) and the environment
+   overrides are laid over it, remembered as coming from ``$NAME``;
+2. the shape is validated by pydantic models that forbid unknown keys;
+3. entrypoint modules are imported, each YAML sweep is merged field by field
+   over the ``@sweep`` of the same name, and every callable, schedule and
+   argument list is resolved against real code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path as FsPath
+from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
+from pydantic_core import ErrorDetails
+
+from sweepd import registry, yamlfile
+from sweepd.durations import format_duration, parse_duration
+from sweepd.environment import Environment
+from sweepd.errors import ConfigError, Problem
+from sweepd.model import Database, Retries, Settings, SweepDef
+from sweepd.schedule import EPOCH, Cron, Every, Schedule
+
+DEFAULT_DATABASE_URL = "sqlite:///sweepd.db"
+NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+_MODULE_PATTERN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_TARGET_PATTERN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_URL_SCHEME = re.compile(r"(sqlite|postgresql|postgres|mysql|mariadb)(\+\w+)?://", re.IGNORECASE)
+_LISTEN = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]*):(?P<port>\d{1,5})")
+
+
+# -- value types shared by the file and the decorator -------------------------
+
+
+def _duration(value: Any) -> Any:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"expected a duration such as 30s, got {_kind(value)}")
+    return parse_duration(str(value))
+
+
+def _positive(value: timedelta) -> timedelta:
+    if value <= timedelta(0):
+        raise ValueError("must be longer than zero")
+    return value
+
+
+def _not_negative(value: timedelta) -> timedelta:
+    if value < timedelta(0):
+        raise ValueError("must not be negative")
+    return value
+
+
+def _name(value: str) -> str:
+    if not NAME_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"invalid name {value!r}: use lowercase letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit, at most 128 characters"
+        )
+    return value
+
+
+def _module(value: str) -> str:
+    if not _MODULE_PATTERN.fullmatch(value):
+        raise ValueError(f"invalid module name {value!r} (expected e.g. myapp.sweeps)")
+    return value
+
+
+def _target(value: str) -> str:
+    if not _TARGET_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"invalid callable {value!r} (expected module:attribute, e.g. myapp.jobs:purge)"
+        )
+    return value
+
+
+def _zone(value: str) -> str:
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(
+            f"unknown time zone {value!r} (expected an IANA name such as Europe/Berlin)"
+        ) from None
+    return value
+
+
+def _anchor(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(
+                f"invalid datetime {value!r} (expected ISO 8601, e.g. 2026-01-01T00:00:00Z)"
+            ) from None
+    if isinstance(value, datetime) and value.tzinfo is None:
+        raise ValueError("anchor needs a UTC offset, e.g. 2026-01-01T00:00:00Z")
+    return value
+
+
+def _listen(value: str) -> str:
+    if value == "":
+        return value
+    match = _LISTEN.fullmatch(value)
+    if match is None or int(match["port"]) > 65535:
+        raise ValueError(
+            f'invalid listen address {value!r} (expected HOST:PORT, e.g. 127.0.0.1:9464, or "" to disable)'
+        )
+    return value
+
+
+def _url(value: str) -> str:
+    if not _URL_SCHEME.match(value):
+        raise ValueError(
+            "unsupported database URL (expected sqlite:///PATH, postgresql+psycopg://... "
+            "or mysql+pymysql://...)"
+        )
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration)]
+PositiveDuration = Annotated[timedelta, BeforeValidator(_duration), AfterValidator(_positive)]
+NonNegativeDuration = Annotated[
+    timedelta, BeforeValidator(_duration), AfterValidator(_not_negative)
+]
+Name = Annotated[str, AfterValidator(_name)]
+Module = Annotated[str, AfterValidator(_module)]
+Target = Annotated[str, AfterValidator(_target)]
+Zone = Annotated[str, AfterValidator(_zone)]
+Anchor = Annotated[datetime, BeforeValidator(_anchor)]
+Listen = Annotated[str, AfterValidator(_listen)]
+Url = Annotated[str, AfterValidator(_url)]
+
+
+class _Strict(BaseModel):
+    # strict: YAML already typed the values, so "4" is not silently a 4 and
+    # "yes" is not silently True; extra="forbid": a misspelt key is an error.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# -- the file's shape -----------------------------------------------------------
+
+
+class RetriesFile(_Strict):
+    max: int = Field(default=0, ge=0, le=1000)
+    backoff: NonNegativeDuration = timedelta(0)
+
+
+class SweepFile(_Strict):
+    """One ``sweeps:`` item, or one ``@sweep(...)``: every field optional but name."""
+
+    name: Name
+    callable: Target | None = None
+    every: PositiveDuration | None = None
+    cron: str | None = None
+    anchor: Anchor | None = None
+    timezone: Zone | None = None
+    jitter: NonNegativeDuration | None = None
+    ttl: PositiveDuration | None = None
+    timeout: PositiveDuration | None = None
+    misfire_grace: NonNegativeDuration | None = None
+    retries: RetriesFile | None = None
+    args: dict[str, Any] | None = None
+    enabled: bool | None = None
+    coalesce: Literal["latest", "earliest"] | None = None
+    catch_up: Literal["none", "latest"] | None = None
+
+
+class DatabaseFile(_Strict):
+    url: Url | None = None
+    url_file: str | None = None
+    migrate: Literal["auto", "never"] = "auto"
+
+
+class DefaultsFile(_Strict):
+    ttl: PositiveDuration = timedelta(seconds=30)
+    timeout: PositiveDuration | None = None
+    timezone: Zone = "UTC"
+    misfire_grace: NonNegativeDuration = timedelta(seconds=30)
+
+
+class HealthFile(_Strict):
+    listen: Listen = "127.0.0.1:9464"
+
+
+class LoggingFile(_Strict):
+    format: Literal["auto", "console", "json"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class HistoryFile(_Strict):
+    keep: PositiveDuration = timedelta(days=14)
+
+
+class ConfigFile(_Strict):
+    database: DatabaseFile = DatabaseFile()
+    namespace: Name = "default"
+    entrypoints: list[Module] = []
+    concurrency: int = Field(default=4, ge=1, le=10_000)
+    drain_timeout: NonNegativeDuration = timedelta(seconds=30)
+    defaults: DefaultsFile = DefaultsFile()
+    health: HealthFile = HealthFile()
+    logging: LoggingFile = LoggingFile()
+    history: HistoryFile = HistoryFile()
+    sweeps: list[SweepFile] | None = None
+
+
+# -- loading ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the command line says, above the environment and the file."""
+
+    database_url: str | None = None
+
+
+def load_settings(
+    path: str,
+    environment: Environment,
+    overrides: Overrides = Overrides(),
+    sweeps: registry.Registry | None = None,
+) -> Settings:
+    """Read, validate and resolve the config at ``path``; raise ``ConfigError`` listing all problems."""
+    try:
+        text = FsPath(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            [Problem(path, "", f"cannot read config: {exc.strerror or exc}")]
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError([Problem(path, "", "cannot read config: not UTF-8 text")]) from None
+    return settings_from_text(text, path, environment, overrides, sweeps)
+
+
+def settings_from_text(
+    text: str,
+    source: str,
+    environment: Environment,
+    overrides: Overrides = Overrides(),
+    sweeps: registry.Registry | None = None,
+) -> Settings:
+    try:
+        located = yamlfile.load(text, source)
+    except yamlfile.YamlSyntaxError as exc:
+        raise ConfigError([Problem(exc.location, "", exc.message)]) from None
+    if located.data is None:
+        located.data = {}
+    if not isinstance(located.data, dict):
+        raise ConfigError(
+            [
+                Problem(
+                    located.where(()),
+                    "",
+                    f"the config must be a mapping of keys, not {_kind(located.data)}",
+                )
+            ]
+        )
+
+    problems = [
+        Problem(
+            located.where(path, key=True), yamlfile.spell_path(path), f"duplicate key {path[-1]!r}"
+        )
+        for path in located.duplicates
+    ]
+    _lay_environment(located, environment, overrides)
+    try:
+        parsed = ConfigFile.model_validate(located.data)
+    except ValidationError as exc:
+        problems += [_problem(located, error) for error in exc.errors()]
+        raise ConfigError(problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return _Resolver(located, parsed, environment, sweeps or registry.REGISTRY).resolve()
+
+
+def _lay_environment(
+    located: yamlfile.Located, environment: Environment, overrides: Overrides
+) -> None:
+    """Put the environment's values where the file's would be, remembering whence they came."""
+    data = located.data
+    sets: list[tuple[yamlfile.Path, str | None, str]] = [
+        (("database", "url"), overrides.database_url, "--database"),
+        (
+            ("database", "url"),
+            None if overrides.database_url else environment.database_url,
+            "$SWEEPD_DATABASE_URL",
+        ),
+        (("namespace",), environment.namespace, "$SWEEPD_NAMESPACE"),
+        (("health", "listen"), environment.health_listen, "$SWEEPD_HEALTH_LISTEN"),
+        (("logging", "format"), environment.log_format, "$SWEEPD_LOG_FORMAT"),
+        (("logging", "level"), environment.log_level, "$SWEEPD_LOG_LEVEL"),
+    ]
+    for path, value, origin in sets:
+        if value is None:
+            continue
+        parent = data
+        for part in path[:-1]:
+            child = parent.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                parent[part] = child
+            parent = child
+        parent[path[-1]] = value
+        located.overrides[path] = origin
+        if path == ("database", "url"):
+            # A URL from outside the file wins over the file's url_file too.
+            parent.pop("url_file", None)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"number {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+_EXPECTED = {
+    "int_type": "expected a whole number",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "dict_type": "expected a mapping",
+    "list_type": "expected a list",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+    "datetime_type": "expected a datetime",
+    "float_type": "expected a number",
+    "timedelta_type": "expected a duration such as 30s",
+}
+
+
+def _problem(located: yamlfile.Located, error: ErrorDetails) -> Problem:
+    """Turn one pydantic error into a located line an operator can act on."""
+    path: yamlfile.Path = tuple(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return Problem(located.where(path, key=True), yamlfile.spell_path(path), _unknown_key(path))
+    if kind == "missing":
+        return Problem(
+            located.where(path[:-1]),
+            yamlfile.spell_path(path[:-1]),
+            f"missing required key {path[-1]!r}",
+        )
+    where = located.where(path)
+    spelled = yamlfile.spell_path(path)
+    if kind == "value_error":
+        message = str(error["ctx"]["error"]) if "ctx" in error else error["msg"]
+    elif kind in _EXPECTED:
+        message = f"{_EXPECTED[kind]}, got {_kind(error['input'])}"
+    elif kind == "literal_error":
+        message = f"expected one of {error['ctx']['expected']}, got {_kind(error['input'])}"
+    elif kind in ("greater_than_equal", "less_than_equal"):
+        message = f"{error['msg'].lower()}, got {error['input']}"
+    else:
+        message = error["msg"]
+    return Problem(where, spelled, message)
+
+
+def _unknown_key(path: yamlfile.Path) -> str:
+    key = str(path[-1])
+    allowed = _allowed_keys(path[:-1])
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(allowed)})"
+    return f"unknown key {key!r}{hint}"
+
+
+def _allowed_keys(parent: yamlfile.Path) -> list[str]:
+    model: type[BaseModel] = ConfigFile
+    for part in parent:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        inner = _model_of(field.annotation) if field else None
+        if inner is None:
+            return []
+        model = inner
+    return list(model.model_fields)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+# -- resolution: merge with @sweep, import, check against code --------------------
+
+
+@dataclass
+class _Field:
+    """A merged sweep setting and where it was written."""
+
+    value: Any
+    location: str
+    path: str
+
+
+class _Resolver:
+    def __init__(
+        self,
+        located: yamlfile.Located,
+        parsed: ConfigFile,
+        environment: Environment,
+        sweeps: registry.Registry,
+    ) -> None:
+        self.located = located
+        self.parsed = parsed
+        self.environment = environment
+        self.registry = sweeps
+        self.problems: list[Problem] = []
+        self.warnings: list[Problem] = []
+
+    def resolve(self) -> Settings:
+        database = self._database()
+        self._import_modules()
+        sweeps = self._sweeps()
+        if self.problems:
+            raise ConfigError(self.problems)
+        if not sweeps:
+            self.warnings.append(
+                Problem(
+                    self.located.where(()),
+                    "sweeps",
+                    "no sweeps are defined: the daemon would do nothing",
+                )
+            )
+        parsed = self.parsed
+        assert database is not None
+        return Settings(
+            path=self.located.source,
+            database=database,
+            namespace=parsed.namespace,
+            entrypoints=tuple(parsed.entrypoints),
+            concurrency=parsed.concurrency,
+            drain_timeout=parsed.drain_timeout,
+            health_listen=parsed.health.listen,
+            log_format=parsed.logging.format,
+            log_level=parsed.logging.level,
+            history_keep=parsed.history.keep,
+            sweeps=tuple(sweeps),
+            warnings=tuple(self.warnings),
+        )
+
+    def _where(self, *path: str | int, key: bool = False) -> str:
+        return self.located.where(tuple(path), key=key)
+
+    # database ----------------------------------------------------------------
+
+    def _database(self) -> Database | None:
+        db = self.parsed.database
+        if db.url is not None and db.url_file is not None:
+            self.problems.append(
+                Problem(
+                    self._where("database", "url_file", key=True),
+                    "database.url_file",
+                    "give database.url or database.url_file, not both",
+                )
+            )
+            return None
+        url, explicit, where, path = (
+            db.url,
+            db.url is not None,
+            self._where("database", "url"),
+            "database.url",
+        )
+        if db.url_file is not None:
+            where, path = self._where("database", "url_file"), "database.url_file"
+            try:
+                url = FsPath(db.url_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                self.problems.append(
+                    Problem(where, path, f"cannot read {db.url_file}: {exc.strerror or exc}")
+                )
+                return None
+            try:
+                _url(url)
+            except ValueError as exc:
+                self.problems.append(Problem(where, path, f"the file holds an {exc}"))
+                return None
+            explicit = True
+        if url is None:
+            url = DEFAULT_DATABASE_URL
+        if self.environment.production:
+            if not explicit:
+                self.problems.append(
+                    Problem(
+                        self._where("database", key=True),
+                        "database.url",
+                        "SWEEPD_ENV=production needs an explicit database URL (database.url, database.url_file, SWEEPD_DATABASE_URL or --database)",
+                    )
+                )
+            elif is_memory_sqlite(url):
+                self.problems.append(
+                    Problem(
+                        where,
+                        path,
+                        "SWEEPD_ENV=production refuses an in-memory SQLite database: nothing would outlive the process or reach another replica",
+                    )
+                )
+            elif url.lower().startswith("sqlite"):
+                self.warnings.append(
+                    Problem(
+                        where,
+                        path,
+                        "a SQLite file coordinates only processes on one host; replicas on other hosts need PostgreSQL or MySQL",
+                    )
+                )
+        return Database(url=url, explicit=explicit, migrate=db.migrate)
+
+    # modules -----------------------------------------------------------------
+
+    def _import_modules(self) -> None:
+        for index, module in enumerate(self.parsed.entrypoints):
+            try:
+                registry.import_module(module)
+            except registry.ResolveError as exc:
+                self.problems.append(
+                    Problem(self._where("entrypoints", index), f"entrypoints[{index}]", str(exc))
+                )
+        for name, module in registry.entry_point_modules():
+            try:
+                registry.import_module(module)
+            except registry.ResolveError as exc:
+                self.problems.append(
+                    Problem(f"entry point {registry.ENTRY_POINT_GROUP}:{name}", "", str(exc))
+                )
+        for first, again in self.registry.conflicts:
+            self.problems.append(
+                Problem(
+                    again.source,
+                    f"@sweep({again.name})",
+                    f"sweep name {again.name!r} is already declared at {first.source}",
+                )
+            )
+
+    # sweeps ------------------------------------------------------------------
+
+    def _sweeps(self) -> list[SweepDef]:
+        merged: dict[str, dict[str, _Field]] = {}
+        origin: dict[str, tuple[str, str, str]] = {}  # where, spelled path, source shown
+        first_line: dict[str, str] = {}
+        rejected: set[str] = set()  # decorators already reported as invalid
+        for declared in self.registry.all():
+            fields = self._declared_fields(declared)
+            if fields is None:
+                rejected.add(declared.name)
+            else:
+                merged[declared.name] = fields
+                origin[declared.name] = (
+                    declared.source,
+                    f"@sweep({declared.name})",
+                    declared.source,
+                )
+        for index, entry in enumerate(self.parsed.sweeps or []):
+            item = self._where("sweeps", index)
+            if entry.name in first_line:
+                self.problems.append(
+                    Problem(
+                        self._where("sweeps", index, "name"),
+                        f"sweeps[{index}].name",
+                        f"duplicate sweep name {entry.name!r} (first at {first_line[entry.name]})",
+                    )
+                )
+                continue
+            first_line[entry.name] = item
+            if entry.name in rejected:
+                continue
+            shown = item.rsplit(":", 1)[0]
+            if entry.name in origin:
+                shown += f" over {origin[entry.name][2]}"
+            fields = merged.setdefault(entry.name, {})
+            for key in entry.model_fields_set - {"name"}:
+                fields[key] = _Field(
+                    getattr(entry, key), self._where("sweeps", index, key), f"sweeps[{index}].{key}"
+                )
+            origin[entry.name] = (item, f"sweeps[{index}]", shown)
+        out = []
+        for name, fields in merged.items():
+            built = self._build(name, fields, *origin[name])
+            if built is not None:
+                out.append(built)
+        return out
+
+    def _declared_fields(self, declared: registry.Declared) -> dict[str, _Field] | None:
+        """Validate a decorator's settings with the file's rules."""
+        spelled = f"@sweep({declared.name})"
+        try:
+            entry = SweepFile.model_validate({"name": declared.name, **declared.settings})
+        except ValidationError as exc:
+            for error in exc.errors():
+                loc = ".".join(str(part) for part in error["loc"])
+                message = _problem(yamlfile.Located(None, declared.source), error).message
+                self.problems.append(Problem(declared.source, f"{spelled}.{loc}", message))
+            return None
+        fields = {
+            key: _Field(getattr(entry, key), declared.source, f"{spelled}.{key}")
+            for key in entry.model_fields_set - {"name"}
+        }
+        fields.setdefault("callable", _Field(declared.func, declared.source, spelled))
+        return fields
+
+    def _build(
+        self, name: str, fields: dict[str, _Field], where: str, spelled: str, source: str
+    ) -> SweepDef | None:
+        defaults = self.parsed.defaults
+        before = len(self.problems)
+
+        def get(key: str, default: Any = None) -> Any:
+            return fields[key].value if key in fields else default
+
+        def fail(key: str | None, message: str) -> None:
+            if key is not None and key in fields:
+                self.problems.append(Problem(fields[key].location, fields[key].path, message))
+            else:
+                self.problems.append(Problem(where, spelled, message))
+
+        schedule = self._schedule(name, fields, get, fail, defaults.timezone)
+        func, target = self._callable(fields, fail)
+        args = dict(get("args") or {})
+        wants_ctx = False
+        if func is not None:
+            try:
+                wants_ctx = registry.check_arguments(func, args)
+            except registry.ResolveError as exc:
+                fail("args" if "args" in fields else "callable", str(exc))
+        if len(self.problems) > before or schedule is None or func is None:
+            return None
+        retries = get("retries") or RetriesFile()
+        sweep = SweepDef(
+            name=name,
+            func=func,
+            target=target,
+            schedule=schedule,
+            ttl=get("ttl", defaults.ttl),
+            timeout=get("timeout", defaults.timeout),
+            misfire_grace=get("misfire_grace", defaults.misfire_grace),
+            jitter=get("jitter", timedelta(0)),
+            retries=Retries(max=retries.max, backoff=retries.backoff),
+            args=args,
+            enabled=get("enabled", True),
+            coalesce=get("coalesce", "latest"),
+            catch_up=get("catch_up", "none"),
+            takes_context=wants_ctx,
+            source=source,
+        )
+        self._warn(sweep, fields, where, spelled)
+        return sweep
+
+    def _schedule(
+        self,
+        name: str,
+        fields: dict[str, _Field],
+        get: Callable[..., Any],
+        fail: Callable[[str | None, str], None],
+        default_zone: str,
+    ) -> Schedule | None:
+        every, cron = get("every"), get("cron")
+        if (every is None) == (cron is None):
+            both = "not both" if every is not None else "none is given"
+            fail(
+                "cron" if every is not None else None,
+                f"sweep {name!r} needs exactly one of 'every' or 'cron' ({both})",
+            )
+            return None
+        if every is not None:
+            if "timezone" in fields:
+                fail(
+                    "timezone",
+                    "timezone applies to cron schedules only; 'every' ticks are aligned to UTC",
+                )
+            anchor = get("anchor")
+            return Every(interval=every, anchor=anchor.astimezone(UTC) if anchor else EPOCH)
+        if "anchor" in fields:
+            fail("anchor", "anchor applies to 'every' schedules only")
+        try:
+            return Cron(expression=cron, timezone=get("timezone", default_zone))
+        except ValueError as exc:
+            fail("cron", str(exc))
+            return None
+
+    def _callable(
+        self, fields: dict[str, _Field], fail: Callable[[str | None, str], None]
+    ) -> tuple[Callable[..., Any] | None, str]:
+        value = fields["callable"].value if "callable" in fields else None
+        if value is None:
+            fail(
+                None,
+                "missing required key 'callable' (module:attribute), and no @sweep of this name was imported",
+            )
+            return None, ""
+        if callable(value):
+            return value, f"{value.__module__}:{value.__qualname__}"
+        try:
+            return registry.resolve_callable(value), value
+        except registry.ResolveError as exc:
+            fail("callable", str(exc))
+            return None, value
+
+    def _warn(self, sweep: SweepDef, fields: dict[str, _Field], where: str, spelled: str) -> None:
+        def warn(key: str | None, message: str) -> None:
+            if key is not None and key in fields:
+                self.warnings.append(Problem(fields[key].location, fields[key].path, message))
+            else:
+                self.warnings.append(Problem(where, spelled, message))
+
+        if isinstance(sweep.schedule, Every):
+            interval = sweep.schedule.interval
+            if interval < timedelta(seconds=1):
+                warn(
+                    "every",
+                    f"an interval of {format_duration(interval)} is under a second: every tick is a database round trip on every replica",
+                )
+            if sweep.misfire_grace > interval:
+                warn(
+                    "misfire_grace",
+                    f"misfire_grace {format_duration(sweep.misfire_grace)} is longer than the interval {format_duration(interval)}: a late tick may still run after the next one is due",
+                )
+            if sweep.jitter >= interval:
+                warn(
+                    "jitter",
+                    f"jitter {format_duration(sweep.jitter)} is not shorter than the interval {format_duration(interval)}: ticks will queue behind each other",
+                )
+        if sweep.ttl < timedelta(seconds=3):
+            warn(
+                "ttl",
+                f"ttl {format_duration(sweep.ttl)} is under 3s: heartbeats every ttl/3 leave little room for a slow database",
+            )
+
+
+def is_memory_sqlite(url: str) -> bool:
+    lowered = url.lower()
+    if not lowered.startswith("sqlite"):
+        return False
+    rest = lowered.split("://", 1)[1] if "://" in lowered else ""
+    return rest in ("", "/") or ":memory:" in rest or "mode=memory" in rest
