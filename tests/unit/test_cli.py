@@ -1,0 +1,114 @@
+"""The CLI's contract with a shell: output streams and exit codes."""
+
+import fnmatch
+import json
+
+import pytest
+
+from sweepd import __version__
+from sweepd.cli import main
+from sweepd.redact import mask_in, mask_url
+
+EXAMPLE = "config.example.yaml"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"sweepd {__version__}\n"
+
+
+def test_check_config_json_counts_from_the_given_instant(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        main(
+            [
+                "check-config",
+                "--config",
+                EXAMPLE,
+                "--format",
+                "json",
+                "--no-db",
+                "--from",
+                "2026-03-29T00:30:00+01:00",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == 1
+    assert report["from"] == "2026-03-28T23:30:00Z"
+    heartbeat = next(s for s in report["sweeps"] if s["name"] == "heartbeat")
+    assert [t["utc"] for t in heartbeat["next_ticks"]] == [
+        "2026-03-28T23:30:00Z",
+        "2026-03-28T23:30:10Z",
+        "2026-03-28T23:30:20Z",
+    ]
+
+
+def test_check_config_prefers_the_flag_database_and_masks_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWEEPD_DATABASE_URL", "postgresql+psycopg://app:hunter2@db/app")
+    assert main(["check-config", "--config", EXAMPLE, "--format", "json", "--no-db"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    assert json.loads(out)["database"]["url"] == "postgresql+psycopg://app:***@db/app"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check-config"], "sweepd: no config given: pass --config PATH or set SWEEPD_CONFIG"),
+        (
+            ["check-config", "--config", EXAMPLE, "--from", "tomorrow"],
+            "sweepd: --from: invalid datetime 'tomorrow' (expected ISO 8601, e.g. 2026-03-29T00:30:00Z)",
+        ),
+        (
+            ["check-config", "--config", EXAMPLE, "--from", "2026-03-29T00:30:00"],
+            "sweepd: --from: '2026-03-29T00:30:00' needs a UTC offset, e.g. 2026-03-29T00:30:00Z",
+        ),
+        (
+            ["check-config", "--format", "yaml"],
+            "sweepd check-config: Invalid value for '--format': 'yaml' is not one of 'text', 'json'.",
+        ),
+        (["check-config", "--bogus"], "sweepd check-config: No such option: --bogus"),
+        (["frobnicate"], "sweepd: No such command 'frobnicate'."),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SWEEPD_CONFIG", raising=False)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert fnmatch.fnmatchcase(line, message)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql+psycopg://u:p%40ss@h:5432/db", "postgresql+psycopg://u:***@h:5432/db"),
+        ("postgresql://u:p@ss@h/db", "postgresql://u:***@h/db"),
+        ("mysql+pymysql://root@127.0.0.1/test", "mysql+pymysql://root@127.0.0.1/test"),
+        (
+            "postgresql://h/db?sslmode=require&password=zz",
+            "postgresql://h/db?sslmode=require&password=***",
+        ),
+        ("sqlite:///sweepd.db", "sqlite:///sweepd.db"),
+    ],
+)
+def test_urls_are_shown_without_passwords(url: str, shown: str) -> None:
+    assert mask_url(url) == shown
+
+
+def test_driver_messages_lose_the_password() -> None:
+    url = "postgresql://app:s3cret@db/app"
+    assert mask_in(f"could not connect to {url} (password s3cret rejected)", url) == (
+        "could not connect to postgresql://app:***@db/app (password *** rejected)"
+    )
