@@ -72,8 +72,9 @@ def test_check_config_prefers_the_flag_database_and_masks_it(
             ["check-config", "--format", "yaml"],
             "sweepd check-config: Invalid value for '--format': 'yaml' is not one of 'text', 'json'.",
         ),
-        (["check-config", "--bogus"], "sweepd check-config: No such option: --bogus"),
-        (["frobnicate"], "sweepd: No such command 'frobnicate'."),
+        # click words its own errors differently by version: only their shape is ours.
+        (["check-config", "--bogus"], "sweepd check-config: No such option*--bogus*"),
+        (["frobnicate"], "sweepd: No such command*frobnicate*"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
