@@ -1,0 +1,1 @@
+"""The database: tables, engines per dialect, and the migrations that make the tables."""

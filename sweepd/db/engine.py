@@ -1,0 +1,186 @@
+"""Engines per dialect, and the one place that knows how the dialects differ.
+
+Every engine here fails fast: a database that does not answer must fail a
+claim within seconds, loudly, rather than hang the daemon while it looks
+healthy. Lease statements are single statements, so engines run in
+autocommit: one round trip per statement, no BEGIN/COMMIT around it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import FunctionElement
+
+from sweepd.db.schema import UtcDateTime
+from sweepd.errors import UsageError
+from sweepd.redact import mask_url
+
+DEFAULT_TIMEOUT = timedelta(seconds=5)
+
+# Bare schemes mean our drivers: psycopg 3 and PyMySQL, not SQLAlchemy's defaults.
+_DRIVERS = {
+    "postgres": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "mysql": "mysql+pymysql",
+    "mariadb": "mysql+pymysql",
+    "mariadb+pymysql": "mysql+pymysql",
+}
+
+
+class DatabaseUrlError(UsageError):
+    """The database URL cannot be used."""
+
+
+def normalize_url(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise DatabaseUrlError(f"invalid database URL {mask_url(url)!r}") from None
+    driver = _DRIVERS.get(parsed.drivername)
+    if driver is not None:
+        parsed = parsed.set(drivername=driver)
+    if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
+        raise DatabaseUrlError(
+            f"unsupported database {parsed.get_backend_name()!r} in {mask_url(url)!r}"
+        )
+    return parsed
+
+
+def make_engine(
+    url: str, *, timeout: timedelta = DEFAULT_TIMEOUT, autocommit: bool = True
+) -> Engine:
+    """An engine with timeouts on connect and on every statement."""
+    parsed = normalize_url(url)
+    seconds = max(1, int(timeout.total_seconds()))
+    backend = parsed.get_backend_name()
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if autocommit:
+        options["isolation_level"] = "AUTOCOMMIT"
+    if backend == "postgresql":
+        options["connect_args"] = {
+            "connect_timeout": seconds,
+            "application_name": "sweepd",
+            # Server-side bounds: a statement blocked on a lock or a slow plan
+            # is cancelled by the server and raises, instead of waiting forever.
+            "options": f"-c statement_timeout={seconds * 1000} -c lock_timeout={seconds * 1000}",
+        }
+    elif backend == "mysql":
+        options["connect_args"] = {
+            "connect_timeout": seconds,
+            # Client-side bounds: PyMySQL gives up on a server that stops answering.
+            "read_timeout": seconds * 2,
+            "write_timeout": seconds * 2,
+            "init_command": f"SET SESSION time_zone = '+00:00', innodb_lock_wait_timeout = {seconds}",
+        }
+    elif backend == "sqlite":
+        options["connect_args"] = {"timeout": seconds}
+    engine = create_engine(parsed, **options)
+    if backend == "sqlite":
+        event.listen(engine, "connect", _sqlite_on_connect(seconds))
+    return engine
+
+
+def _sqlite_on_connect(seconds: int) -> Any:
+    def on_connect(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
+        # WAL lets readers and one writer work at once, so several processes on
+        # one host coordinate through one file; busy_timeout makes a writer wait
+        # for the lock instead of failing at once.
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={seconds * 1000}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    return on_connect
+
+
+# -- the database's clock ---------------------------------------------------------------
+#
+# Every lease comparison is made against the database's own clock, inside the
+# statement, so replicas whose clocks disagree still agree on who holds what.
+
+
+class db_now(FunctionElement[Any]):
+    """The database's current time, at sub-second resolution."""
+
+    type = UtcDateTime()
+    inherit_cache = True
+
+
+class db_now_plus(FunctionElement[Any]):
+    """The database's current time plus a duration (given in microseconds)."""
+
+    type = UtcDateTime()
+    inherit_cache = True
+
+
+# SQLite keeps datetimes as text in SQLAlchemy's layout, 'YYYY-MM-DD HH:MM:SS.ffffff';
+# strftime's %f gives milliseconds ('SS.SSS'), so three zeros complete the layout and
+# text order stays time order.
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now'{}) || '000'"
+
+
+@compiles(db_now, "postgresql")
+def _now_pg(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "statement_timestamp()"
+
+
+@compiles(db_now, "mysql")
+def _now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "UTC_TIMESTAMP(6)"
+
+
+@compiles(db_now, "sqlite")
+def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return _SQLITE_NOW.format("")
+
+
+def _micros_param(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    (micros,) = element.clauses
+    return str(compiler.process(micros, **kw))
+
+
+@compiles(db_now_plus, "postgresql")
+def _plus_pg(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(statement_timestamp() + {_micros_param(element, compiler, **kw)} * interval '1 microsecond')"
+
+
+@compiles(db_now_plus, "mysql")
+def _plus_mysql(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(UTC_TIMESTAMP(6) + INTERVAL {_micros_param(element, compiler, **kw)} MICROSECOND)"
+
+
+@compiles(db_now_plus, "sqlite")
+def _plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    modifier = f"printf('%+.6f seconds', {_micros_param(element, compiler, **kw)} / 1000000.0)"
+    return _SQLITE_NOW.format(", " + modifier)
+
+
+# -- reading errors -------------------------------------------------------------------------
+
+
+def is_duplicate_key(error: DBAPIError) -> bool:
+    """Whether an INSERT failed only because the row already exists: the lost race."""
+    orig = error.orig
+    sqlstate = getattr(orig, "sqlstate", None)  # psycopg
+    if sqlstate is not None:
+        return bool(sqlstate == "23505")
+    if isinstance(orig, sqlite3.IntegrityError):
+        return getattr(orig, "sqlite_errorname", "") in (
+            "SQLITE_CONSTRAINT_PRIMARYKEY",
+            "SQLITE_CONSTRAINT_UNIQUE",
+        )
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and args[0] == 1062  # MySQL ER_DUP_ENTRY
+
+
+def backend_of(engine: Engine) -> str:
+    return engine.dialect.name

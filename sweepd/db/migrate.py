@@ -1,0 +1,134 @@
+"""Schema migrations: upgrade, check, and the DDL for a DBA.
+
+Alembic runs sweepd's own migrations with sweepd's own version table. Several
+replicas may start at once with ``migrate: auto``, so ``upgrade`` first takes
+a lock that the database holds for one connection (an advisory lock on
+PostgreSQL, GET_LOCK on MySQL, a lock file beside a SQLite file): the first
+replica migrates, the others wait, then find the schema current and do
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, text
+
+from sweepd.db.engine import make_engine
+from sweepd.db.schema import VERSION_TABLE
+from sweepd.errors import SweepdError
+
+LOCK_WAIT_SECONDS = 120
+_LOCK_NAME = "sweepd.migrate"
+_PG_LOCK_KEY = 0x5357_4550_4D49_4752 & 0x7FFF_FFFF_FFFF_FFFF  # "SWEPMIGR", a fixed bigint
+
+
+class SchemaError(SweepdError):
+    """The database schema is missing or not current: run `sweepd db upgrade`."""
+
+
+def _config(output: io.StringIO | None = None) -> Config:
+    config = Config(output_buffer=output)
+    config.set_main_option("script_location", "sweepd.db:migrations")
+    return config
+
+
+def head() -> str:
+    found = ScriptDirectory.from_config(_config()).get_current_head()
+    assert found is not None
+    return found
+
+
+def current(engine: Engine) -> str | None:
+    """The revision the database is at; None when sweepd's tables were never made."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def is_current(engine: Engine) -> bool:
+    return current(engine) == head()
+
+
+def require_current(engine: Engine) -> None:
+    """For ``migrate: never``: fail loudly, naming the fix, unless the schema is at head."""
+    found, wanted = current(engine), head()
+    if found != wanted:
+        state = "missing" if found is None else f"at revision {found}"
+        raise SchemaError(
+            f"the database schema is {state}, sweepd needs {wanted}: run `sweepd db upgrade`"
+        )
+
+
+def upgrade(url: str) -> tuple[str | None, str]:
+    """Bring the schema to head under the migration lock; return (before, after)."""
+    engine = make_engine(url, autocommit=False)
+    try:
+        with engine.connect() as connection, _migration_lock(connection, url):
+            before = MigrationContext.configure(
+                connection, opts={"version_table": VERSION_TABLE}
+            ).get_current_revision()
+            connection.commit()
+            config = _config()
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+            connection.commit()
+            return before, head()
+    finally:
+        engine.dispose()
+
+
+def sql(dialect: str) -> str:
+    """The DDL ``upgrade`` would run on an empty database of ``dialect``."""
+    output = io.StringIO()
+    config = _config(output)
+    config.attributes["dialect"] = dialect
+    command.upgrade(config, "head", sql=True)
+    return output.getvalue()
+
+
+@contextlib.contextmanager
+def _migration_lock(connection: Connection, url: str) -> Iterator[None]:
+    backend = connection.dialect.name
+    if backend == "postgresql":
+        connection.execute(text("SET lock_timeout = '0'"))  # wait for the migrating replica
+        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _PG_LOCK_KEY})
+        connection.commit()
+        try:
+            yield
+        finally:
+            connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _PG_LOCK_KEY})
+            connection.commit()
+    elif backend == "mysql":
+        got = connection.execute(
+            text("SELECT GET_LOCK(:name, :wait)"), {"name": _LOCK_NAME, "wait": LOCK_WAIT_SECONDS}
+        ).scalar()
+        connection.commit()
+        if got != 1:
+            raise SweepdError(
+                f"another process held the migration lock for over {LOCK_WAIT_SECONDS}s"
+            )
+        try:
+            yield
+        finally:
+            connection.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": _LOCK_NAME})
+            connection.commit()
+    else:
+        database = connection.engine.url.database
+        if not database or database == ":memory:":
+            yield  # a private in-memory database has no one to race
+            return
+        with open(Path(database).with_name(Path(database).name + ".migrate-lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

@@ -1,0 +1,36 @@
+"""Alembic's entry point for sweepd's own migrations.
+
+Run through ``sweepd.db.migrate``, which hands over either a live connection
+(``upgrade``) or a dialect name for offline SQL (``db sql``). The version
+table is sweepd's own, so these migrations can share a database with the
+host application's Alembic history without touching it.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from sweepd.db.schema import VERSION_TABLE, metadata
+
+config = context.config
+connection = config.attributes.get("connection")
+
+if connection is None:
+    context.configure(
+        dialect_name=config.attributes["dialect"],
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+        literal_binds=True,
+        transaction_per_migration=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+        transaction_per_migration=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()

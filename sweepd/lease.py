@@ -1,0 +1,474 @@
+"""The lease: which replica runs a tick, decided by the database alone.
+
+One row per (namespace, sweep) in ``sweep_leases``. This is the only module
+that writes lease SQL, and it knows nothing of schedules: a tick is just an
+instant that must be newer than the last one claimed.
+
+Why a row and not an advisory lock: a session-level advisory lock belongs to
+one pooled connection, and a release that lands on another connection
+silently fails and strands the lock; a transaction-level one would hold a
+transaction open for the whole run. A row with an expiry is ordinary SQL on
+any connection, and a crashed holder frees itself when its time runs out.
+
+Every comparison uses the database's clock, inside the statement, so
+replicas whose clocks are minutes apart still agree on who holds what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any, Literal, ParamSpec, TypeVar, cast
+
+from sqlalchemy import Engine, and_, func, insert, or_, select, update
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from sweepd.db.engine import db_now, db_now_plus, is_duplicate_key, make_engine
+from sweepd.db.schema import sweep_leases
+from sweepd.durations import parse_duration
+from sweepd.errors import SweepdError
+from sweepd.redact import mask_in
+
+_MICRO = timedelta(microseconds=1)
+
+
+def make_holder() -> str:
+    """``hostname:pid:random``: the hostname is the pod name in Kubernetes, the
+    pid tells processes on one host apart, the random part a restarted pid."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class Won:
+    """This holder has the lease; ``token`` is one more than the last claim's."""
+
+    token: int
+    holder: str
+    tick: datetime | None
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Another holder has it (``lease_held``) or already claimed this tick (``already_run``)."""
+
+    reason: Literal["lease_held", "already_run"]
+    holder: str | None
+    expires_at: datetime | None
+    tick: datetime | None
+
+
+Claim = Won | Lost
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    namespace: str
+    name: str
+    holder: str
+    acquired_at: datetime
+    expires_at: datetime
+    tick: datetime | None
+    fencing_token: int
+
+
+class StoreError(SweepdError):
+    """The lease store failed: the database could not be reached or refused the statement."""
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        # Transient faults (a connection, a timeout) may pass by the next tick;
+        # the others (a missing table, a wrong column) will not fix themselves.
+        self.transient = transient
+
+
+def _fault(operation: str, name: str, engine: Engine, error: SQLAlchemyError) -> StoreError:
+    orig = getattr(error, "orig", None) or error
+    first_line = (str(orig).strip().splitlines() or [""])[0]
+    message = mask_in(
+        f"lease {operation} for {name!r} failed: {type(orig).__name__}: {first_line}",
+        engine.url.render_as_string(hide_password=False),
+    )
+    transient = (
+        not isinstance(error, DBAPIError)
+        or error.connection_invalidated
+        or type(error).__name__ in ("OperationalError", "InterfaceError")
+    )
+    return StoreError(message, transient=transient)
+
+
+class LeaseStore:
+    """Claim, renew and release leases of one namespace over one engine.
+
+    Claim is strict and release is tolerant, on purpose. A claim that cannot
+    tell "someone else has it" from "the table does not exist" must raise,
+    or a broken deployment looks exactly like a healthy one that keeps
+    losing races. A release that raised would replace the caller's own
+    exception, and the TTL frees the lease anyway.
+    """
+
+    def __init__(self, engine: Engine, namespace: str = "default") -> None:
+        self.engine = engine
+        self.namespace = namespace
+        self._mysql = engine.dialect.name == "mysql"
+
+    def _key(self, name: str) -> Any:
+        t = sweep_leases.c
+        return and_(t.namespace == self.namespace, t.name == name)
+
+    def claim(self, name: str, holder: str, ttl: timedelta, tick: datetime | None = None) -> Claim:
+        """Take the lease for ``tick`` if it is free and the tick is newer than the last claimed.
+
+        With ``tick=None`` (a manual run, or ``sweepd lock`` without a tick)
+        the lease only prevents overlap, and the row's last tick is left as
+        it was so the next scheduled tick is neither blocked nor shifted.
+        """
+        t = sweep_leases.c
+        micros = ttl // _MICRO
+        # The free test and the tick test are one WHERE, so racing replicas
+        # cannot both pass it: the database serialises the UPDATE and exactly
+        # one sees a row changed.
+        condition = and_(self._key(name), t.expires_at <= db_now())
+        values: dict[str, Any] = {
+            "holder": holder,
+            "acquired_at": db_now(),
+            "expires_at": db_now_plus(micros),
+        }
+        if tick is not None:
+            condition = and_(condition, or_(t.tick.is_(None), t.tick < tick))
+            values["tick"] = tick
+        try:
+            with self.engine.connect() as connection:
+                if self._mysql:
+                    # MySQL has no UPDATE ... RETURNING; LAST_INSERT_ID(expr)
+                    # hands the new token back in the same reply.
+                    values["fencing_token"] = func.last_insert_id(t.fencing_token + 1)
+                    result = connection.execute(
+                        update(sweep_leases).where(condition).values(values)
+                    )
+                    if result.rowcount == 1:
+                        return Won(token=int(result.lastrowid), holder=holder, tick=tick)
+                else:
+                    values["fencing_token"] = t.fencing_token + 1
+                    token = connection.execute(
+                        update(sweep_leases)
+                        .where(condition)
+                        .values(values)
+                        .returning(t.fencing_token)
+                    ).scalar()
+                    if token is not None:
+                        return Won(token=int(token), holder=holder, tick=tick)
+                lost = self._explain(connection, name, tick)
+                if lost is not None:
+                    return lost
+                # No row at all: this is the sweep's first claim ever. A
+                # duplicate key means another replica inserted it first, the
+                # one error that means "lost the race" and not "broken".
+                try:
+                    connection.execute(
+                        insert(sweep_leases).values(
+                            namespace=self.namespace,
+                            name=name,
+                            holder=holder,
+                            acquired_at=db_now(),
+                            expires_at=db_now_plus(micros),
+                            tick=tick,
+                            fencing_token=1,
+                        )
+                    )
+                except DBAPIError as error:
+                    if not is_duplicate_key(error):
+                        raise
+                    return self._explain(connection, name, tick) or Lost(
+                        "lease_held", None, None, None
+                    )
+                return Won(token=1, holder=holder, tick=tick)
+        except SQLAlchemyError as error:
+            raise _fault("claim", name, self.engine, error) from error
+
+    def _explain(self, connection: Any, name: str, tick: datetime | None) -> Lost | None:
+        """Why the UPDATE changed nothing, or None when there is no row yet."""
+        t = sweep_leases.c
+        row = connection.execute(
+            select(t.holder, t.expires_at, t.tick).where(self._key(name))
+        ).first()
+        if row is None:
+            return None
+        if tick is not None and row.tick is not None and row.tick >= tick:
+            return Lost("already_run", row.holder, row.expires_at, row.tick)
+        return Lost("lease_held", row.holder, row.expires_at, row.tick)
+
+    def renew(self, name: str, holder: str, token: int, ttl: timedelta) -> bool:
+        """Push the expiry out by ``ttl`` from the database's now; False if the lease is no longer ours.
+
+        Holder and token must both match: a holder whose lease expired and
+        was claimed by another has an old token, and must not extend the
+        new holder's lease.
+        """
+        t = sweep_leases.c
+        try:
+            with self.engine.connect() as connection:
+                result = connection.execute(
+                    update(sweep_leases)
+                    .where(self._key(name), t.holder == holder, t.fencing_token == token)
+                    .values(expires_at=db_now_plus(ttl // _MICRO))
+                )
+                return bool(result.rowcount == 1)
+        except SQLAlchemyError as error:
+            raise _fault("renew", name, self.engine, error) from error
+
+    def release(self, name: str, holder: str, token: int) -> bool:
+        """Free the lease now, only if this holder and token still have it.
+
+        Never raises: it runs in ``finally`` blocks, where an exception would
+        hide the caller's own, and the TTL frees the lease regardless.
+        Returns False when nothing was released (taken over, or a fault).
+        """
+        t = sweep_leases.c
+        try:
+            with self.engine.connect() as connection:
+                result = connection.execute(
+                    update(sweep_leases)
+                    .where(self._key(name), t.holder == holder, t.fencing_token == token)
+                    .values(expires_at=db_now())
+                )
+                return bool(result.rowcount == 1)
+        except SQLAlchemyError:
+            return False
+
+    def read(self, name: str) -> LeaseRow | None:
+        try:
+            with self.engine.connect() as connection:
+                row = connection.execute(select(sweep_leases).where(self._key(name))).first()
+        except SQLAlchemyError as error:
+            raise _fault("read", name, self.engine, error) from error
+        return None if row is None else LeaseRow(**row._mapping)
+
+    def now(self) -> datetime:
+        """The database's clock."""
+        try:
+            with self.engine.connect() as connection:
+                value = connection.execute(select(db_now())).scalar_one()
+        except SQLAlchemyError as error:
+            raise _fault("clock read", "-", self.engine, error) from error
+        assert isinstance(value, datetime)
+        return value
+
+
+class Heartbeat:
+    """Keeps a held lease alive from a background thread, every ttl/3.
+
+    ``ttl`` bounds how long a crashed holder blocks the sweep, not how long a
+    run may take: a live holder keeps renewing. A renewal that finds the
+    lease taken sets ``lost``. Renewals that fail for two thirds of the ttl
+    (on the monotonic clock, from the last renewal that succeeded) set it
+    too: by then the row may expire before another renewal gets through.
+    """
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        name: str,
+        won: Won,
+        ttl: timedelta,
+        lost: threading.Event,
+        *,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.name, self.won, self.ttl, self.lost = store, name, won, ttl, lost
+        self.on_event = on_event or (lambda _event, _fields: None)
+        self.monotonic = monotonic
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"sweepd-heartbeat-{name}", daemon=True
+        )
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        interval = self.ttl.total_seconds() / 3
+        last_ok = self.monotonic()
+        while not self._stop.wait(interval):
+            attempt_at = self.monotonic()
+            try:
+                renewed = self.store.renew(self.name, self.won.holder, self.won.token, self.ttl)
+            except StoreError as error:
+                self.on_event("lease.renew_failed", {"error": str(error)})
+                if attempt_at - last_ok >= interval * 2:
+                    self.on_event("lease.lost", {"reason": "unreachable", "error": str(error)})
+                    self.lost.set()
+                    return
+                continue
+            if not renewed:
+                self.on_event("lease.lost", {"reason": "taken"})
+                self.lost.set()
+                return
+            last_ok = attempt_at
+
+
+class LeaseUnavailable(SweepdError):
+    """The lease is held by another holder, or this tick was already claimed."""
+
+    def __init__(self, name: str, lost: Lost) -> None:
+        self.lost = lost
+        holder = lost.holder or "another holder"
+        until = f" until {lost.expires_at.isoformat()}" if lost.expires_at else ""
+        if lost.reason == "already_run":
+            super().__init__(
+                f"{name}: tick {lost.tick.isoformat() if lost.tick else '?'} was already claimed by {holder}"
+            )
+        else:
+            super().__init__(f"{name}: held by {holder}{until}")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Lease:
+    """The lease as a library, for code that has its own scheduler.
+
+    ``with Lease(url, "nightly-export", ttl="10m", tick=slot) as held:`` runs
+    the block only when this process wins (``LeaseUnavailable`` otherwise),
+    heartbeats while it runs and releases after. ``held.token`` is the
+    fencing token; ``held.lost`` is set if the lease slips away. ``async
+    with`` works the same way without blocking the event loop.
+    """
+
+    def __init__(
+        self,
+        database: str | Engine,
+        name: str,
+        *,
+        ttl: timedelta | str,
+        tick: datetime | None = None,
+        namespace: str = "default",
+        holder: str | None = None,
+    ) -> None:
+        self._owns_engine = isinstance(database, str)
+        self.engine = make_engine(database) if isinstance(database, str) else database
+        self.store = LeaseStore(self.engine, namespace)
+        self.name = name
+        self.ttl = parse_duration(ttl) if isinstance(ttl, str) else ttl
+        self.tick = tick
+        self.holder = holder or make_holder()
+        self.lost = threading.Event()
+        self.token: int | None = None
+        self._heartbeat: Heartbeat | None = None
+
+    def acquire(self) -> Claim:
+        """Try once; on a win, start heartbeating. Store faults raise ``StoreError``."""
+        outcome = self.store.claim(self.name, self.holder, self.ttl, self.tick)
+        if isinstance(outcome, Won):
+            self.token = outcome.token
+            self.lost.clear()
+            self._heartbeat = Heartbeat(self.store, self.name, outcome, self.ttl, self.lost).start()
+        return outcome
+
+    def release(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.token is not None:
+            self.store.release(self.name, self.holder, self.token)
+            self.token = None
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __enter__(self) -> Lease:
+        outcome = self.acquire()
+        if isinstance(outcome, Lost):
+            self.release()
+            raise LeaseUnavailable(self.name, outcome)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return await asyncio.to_thread(self.__enter__)
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.release)
+
+
+def leased(
+    database: str | Engine,
+    name: str,
+    *,
+    ttl: timedelta | str,
+    namespace: str = "default",
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    """Decorate a function so each call runs only if it wins the lease; a lost call returns None.
+
+    Works on sync and async functions. Each call is its own claim with no
+    tick: the lease keeps calls on several hosts from overlapping.
+    """
+    engine = make_engine(database) if isinstance(database, str) else database
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+                try:
+                    async with Lease(engine, name, ttl=ttl, namespace=namespace):
+                        return await fn(*args, **kwargs)
+                except LeaseUnavailable:
+                    return None
+
+            return cast(Callable[P, R | None], run_async)
+
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            try:
+                with Lease(engine, name, ttl=ttl, namespace=namespace):
+                    return fn(*args, **kwargs)
+            except LeaseUnavailable:
+                return None
+
+        return run
+
+    return decorate
+
+
+__all__ = [
+    "Claim",
+    "Heartbeat",
+    "Lease",
+    "LeaseRow",
+    "LeaseStore",
+    "LeaseUnavailable",
+    "Lost",
+    "StoreError",
+    "Won",
+    "leased",
+    "make_holder",
+]
