@@ -241,15 +241,7 @@ def load_settings(
     sweeps: registry.Registry | None = None,
 ) -> Settings:
     """Read, validate and resolve the config at ``path``; raise ``ConfigError`` listing all problems."""
-    try:
-        text = FsPath(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            [Problem(path, "", f"cannot read config: {exc.strerror or exc}")]
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigError([Problem(path, "", "cannot read config: not UTF-8 text")]) from None
-    return settings_from_text(text, path, environment, overrides, sweeps)
+    return settings_from_text(_read(path), path, environment, overrides, sweeps)
 
 
 def settings_from_text(
@@ -259,6 +251,46 @@ def settings_from_text(
     overrides: Overrides = Overrides(),
     sweeps: registry.Registry | None = None,
 ) -> Settings:
+    located, parsed, items, problems = _validate(text, source, environment, overrides)
+    if parsed is None:
+        raise ConfigError(problems)
+    # Sweeps whose shape is fine are still resolved against code when others
+    # are not, so one run lists the bad duration and the missing module alike.
+    resolver = _Resolver(located, parsed, items, environment, sweeps or registry.REGISTRY)
+    resolver.problems = problems
+    return resolver.resolve()
+
+
+def load_database(
+    path: str, environment: Environment, overrides: Overrides = Overrides()
+) -> tuple[Database, str]:
+    """Only the database and namespace, for commands that need no sweep code (``db``, ``lock``)."""
+    located, parsed, _items, problems = _validate(_read(path), path, environment, overrides)
+    if parsed is None:
+        raise ConfigError(problems)
+    resolver = _Resolver(located, parsed, [], environment, registry.Registry())
+    database = resolver.database()
+    problems += resolver.problems
+    if problems or database is None:
+        raise ConfigError(problems)
+    return database, parsed.namespace
+
+
+def _read(path: str) -> str:
+    try:
+        return FsPath(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            [Problem(path, "", f"cannot read config: {exc.strerror or exc}")]
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError([Problem(path, "", "cannot read config: not UTF-8 text")]) from None
+
+
+def _validate(
+    text: str, source: str, environment: Environment, overrides: Overrides
+) -> tuple[yamlfile.Located, ConfigFile | None, list[tuple[int, SweepFile]], list[Problem]]:
+    """Passes 1 and 2: the file's shape, each sweep item checked on its own."""
     try:
         located = yamlfile.load(text, source)
     except yamlfile.YamlSyntaxError as exc:
@@ -266,16 +298,8 @@ def settings_from_text(
     if located.data is None:
         located.data = {}
     if not isinstance(located.data, dict):
-        raise ConfigError(
-            [
-                Problem(
-                    located.where(()),
-                    "",
-                    f"the config must be a mapping of keys, not {_kind(located.data)}",
-                )
-            ]
-        )
-
+        message = f"the config must be a mapping of keys, not {_kind(located.data)}"
+        raise ConfigError([Problem(located.where(()), "", message)])
     problems = [
         Problem(
             located.where(path, key=True), yamlfile.spell_path(path), f"duplicate key {path[-1]!r}"
@@ -283,14 +307,24 @@ def settings_from_text(
         for path in located.duplicates
     ]
     _lay_environment(located, environment, overrides)
+    data = dict(located.data)
+    raw_items = data.get("sweeps")
+    items: list[tuple[int, SweepFile]] = []
+    if isinstance(raw_items, list):
+        data["sweeps"] = None
+        for index, item in enumerate(raw_items):
+            try:
+                items.append((index, SweepFile.model_validate(item)))
+            except ValidationError as exc:
+                for error in exc.errors():
+                    error["loc"] = ("sweeps", index, *error["loc"])
+                    problems.append(_problem(located, error))
+    parsed: ConfigFile | None = None
     try:
-        parsed = ConfigFile.model_validate(located.data)
+        parsed = ConfigFile.model_validate(data)
     except ValidationError as exc:
-        problems += [_problem(located, error) for error in exc.errors()]
-        raise ConfigError(problems) from None
-    if problems:
-        raise ConfigError(problems)
-    return _Resolver(located, parsed, environment, sweeps or registry.REGISTRY).resolve()
+        problems[:0] = [_problem(located, error) for error in exc.errors()]
+    return located, parsed, items, problems
 
 
 def _lay_environment(
@@ -315,16 +349,16 @@ def _lay_environment(
             continue
         parent = data
         for part in path[:-1]:
-            child = parent.get(part)
+            child = parent.setdefault(part, {})
             if not isinstance(child, dict):
-                child = {}
-                parent[part] = child
+                break  # the file's own mistake there is reported, not papered over
             parent = child
-        parent[path[-1]] = value
-        located.overrides[path] = origin
-        if path == ("database", "url"):
-            # A URL from outside the file wins over the file's url_file too.
-            parent.pop("url_file", None)
+        else:
+            parent[path[-1]] = value
+            located.overrides[path] = origin
+            if path == ("database", "url"):
+                # A URL from outside the file wins over the file's url_file too.
+                parent.pop("url_file", None)
 
 
 def _kind(value: Any) -> str:
@@ -432,18 +466,20 @@ class _Resolver:
         self,
         located: yamlfile.Located,
         parsed: ConfigFile,
+        items: list[tuple[int, SweepFile]],
         environment: Environment,
         sweeps: registry.Registry,
     ) -> None:
         self.located = located
         self.parsed = parsed
+        self.items = items
         self.environment = environment
         self.registry = sweeps
         self.problems: list[Problem] = []
         self.warnings: list[Problem] = []
 
     def resolve(self) -> Settings:
-        database = self._database()
+        database = self.database()
         self._import_modules()
         sweeps = self._sweeps()
         if self.problems:
@@ -478,7 +514,7 @@ class _Resolver:
 
     # database ----------------------------------------------------------------
 
-    def _database(self) -> Database | None:
+    def database(self) -> Database | None:
         db = self.parsed.database
         if db.url is not None and db.url_file is not None:
             self.problems.append(
@@ -583,7 +619,7 @@ class _Resolver:
                     f"@sweep({declared.name})",
                     declared.source,
                 )
-        for index, entry in enumerate(self.parsed.sweeps or []):
+        for index, entry in self.items:
             item = self._where("sweeps", index)
             if entry.name in first_line:
                 self.problems.append(
@@ -601,6 +637,11 @@ class _Resolver:
             if entry.name in origin:
                 shown += f" over {origin[entry.name][2]}"
             fields = merged.setdefault(entry.name, {})
+            if entry.model_fields_set & {"every", "cron"}:
+                # A schedule in the file replaces the decorator's whole schedule:
+                # "cron:" over "@sweep(every=...)" means cron, not both.
+                for key in ("every", "cron", "anchor", "timezone"):
+                    fields.pop(key, None)
             for key in entry.model_fields_set - {"name"}:
                 fields[key] = _Field(
                     getattr(entry, key), self._where("sweeps", index, key), f"sweeps[{index}].{key}"

@@ -160,7 +160,9 @@ def resolve_callable(target: str) -> Callable[..., Any]:
         except AttributeError:
             raise ResolveError(f"module {module!r} has no attribute {attribute!r}") from None
     if not callable(value):
-        raise ResolveError(f"{target!r} is not callable (it is a {type(value).__name__})")
+        kind = type(value).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise ResolveError(f"{target!r} is not callable (it is {article} {kind})")
     return value  # type: ignore[no-any-return]
 
 
@@ -193,7 +195,13 @@ def check_arguments(func: Callable[..., Any], args: dict[str, Any]) -> bool:
     try:
         signature.bind(*([None] if wants_ctx else []), **args)
     except TypeError as exc:
-        raise ResolveError(f"args do not fit {_name(func)}{signature}: {exc}") from None
+        # Shown without annotations: under "from __future__ import annotations"
+        # they are strings, and quoted types read like values.
+        bare = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        raise ResolveError(f"args do not fit {_name(func)}{bare}: {exc}") from None
     return wants_ctx
 
 

@@ -113,7 +113,7 @@ def _cron_trigger(expression: str, timezone: str) -> CronTrigger:
         )
     minute, hour, day, month, weekday = fields
     try:
-        return CronTrigger(
+        trigger = CronTrigger(
             minute=minute,
             hour=hour,
             day=day,
@@ -123,6 +123,11 @@ def _cron_trigger(expression: str, timezone: str) -> CronTrigger:
         )
     except ValueError as exc:
         raise ValueError(f"invalid cron expression {expression!r}: {exc}") from exc
+    # "0 0 31 2 *" is valid field by field and never matches: a sweep that
+    # silently never runs is the failure sweepd exists to prevent.
+    if trigger.get_next_fire_time(None, EPOCH) is None:
+        raise ValueError(f"cron expression {expression!r} never fires")
+    return trigger
 
 
 def _utc(instant: datetime) -> datetime:

@@ -82,7 +82,12 @@ def load(text: str, source: str) -> Located:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        problem = exc.problem or exc.context or "invalid YAML"
+        problem = exc.problem or "invalid YAML"
+        if exc.context and exc.problem:
+            problem = f"{exc.context}: {problem}"
+        if exc.context == "while scanning an alias":
+            # "cron: */5 * * * *" unquoted: YAML reads the leading * as an alias.
+            problem += " (a value starting with * must be quoted)"
         raise YamlSyntaxError(where, f"invalid YAML: {problem}") from exc
     except yaml.YAMLError as exc:
         raise YamlSyntaxError(source, f"invalid YAML: {exc}") from exc

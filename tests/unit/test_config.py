@@ -239,3 +239,23 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
     assert [str(p) for p in caught.value.problems] == [
         f"{tmp_path / 'nope.yaml'}: cannot read config: No such file or directory"
     ]
+
+
+def test_a_yaml_schedule_replaces_the_decorators_whole_schedule(
+    module_dir: Path, fresh_registry: registry.Registry
+) -> None:
+    write_module(
+        module_dir,
+        "app_sweeps_schedule",
+        """
+        from sweepd import sweep
+
+        @sweep(every="1m", anchor="2026-01-01T00:00:30Z", ttl="2m")
+        def rollup() -> None:
+            pass
+        """,
+    )
+    text = "entrypoints: [app_sweeps_schedule]\nsweeps:\n  - {name: rollup, cron: '*/5 * * * *', timezone: Europe/Berlin}\n"
+    (rollup,) = settings_from_text(text, "c.yaml", Environment()).sweeps
+    assert rollup.schedule == Cron("*/5 * * * *", "Europe/Berlin")
+    assert rollup.ttl == timedelta(minutes=2)
