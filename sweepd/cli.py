@@ -10,17 +10,19 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import click
 
 from sweepd import __version__
-from sweepd.config import Overrides, load_settings
+from sweepd.config import Overrides, load_database, load_settings
+from sweepd.durations import parse_duration
 from sweepd.environment import Environment, read_environment
 from sweepd.errors import ConfigError, ExitCode, SweepdError, UsageError
-from sweepd.model import Settings
+from sweepd.model import LogFormat, LogLevel, Settings
 from sweepd.plan import describe, render_text
+from sweepd.redact import mask_url
 
 
 def _settings(environment: Environment, config: str | None, database: str | None) -> Settings:
@@ -83,27 +85,262 @@ def check_config(
     """Validate the config, import the sweeps and show their next ticks."""
     instant = _instant(start, "--from") if start else datetime.now(UTC)
     settings = _settings(environment, config, database)
-    note = (
-        "not checked (--no-db)"
-        if no_db
-        else "not checked: database checks are not built yet, as --no-db"
-    )
-    report = describe(
-        settings, instant, database={"url": _masked(settings), "checked": False, "summary": note}
-    )
+    status: int = ExitCode.OK
+    problems: list[str] = []
+    db: dict[str, Any] = {
+        "url": mask_url(settings.database.url),
+        "checked": False,
+        "summary": "not checked (--no-db)",
+    }
+    if not no_db:
+        from sweepd.db.health import check_database
+
+        report = check_database(settings.database.url)
+        db.update(
+            checked=True,
+            reachable=report.reachable,
+            revision=report.revision,
+            head=report.head,
+            current=report.current,
+            skew_seconds=report.skew_seconds,
+        )
+        if not report.reachable:
+            problems.append(f"database unreachable: {report.error}")
+        elif not report.current:
+            state = "missing" if report.revision is None else f"at {report.revision}"
+            fix = (
+                "`sweepd run` creates it (migrate: auto)"
+                if settings.database.migrate == "auto"
+                else "run `sweepd db upgrade`"
+            )
+            problems.append(f"database schema is {state}, sweepd needs {report.head}: {fix}")
+        if report.skewed:
+            problems.append(
+                f"this host's clock is {-(report.skew_seconds or 0):+.3f}s off the database's (leases use the database's clock)"
+            )
+        db["summary"] = (
+            "; ".join(problems)
+            or f"ok: schema {report.revision}, clock skew {report.skew_seconds:+.3f}s"
+        )
+        # Unreachable is a failed check; a schema that `run` would create is not.
+        if not report.reachable or (not report.current and settings.database.migrate == "never"):
+            status = ExitCode.FAILED
+    report_data = describe(settings, instant, database=db)
     if output == "json":
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report_data, indent=2))
     else:
-        click.echo(render_text(report))
-        for warning in settings.warnings:
-            click.echo(f"warning: {warning}", err=True)
+        click.echo(render_text(report_data))
+    for warning in settings.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    for problem in problems:
+        click.echo(f"{'warning' if status == ExitCode.OK else 'error'}: {problem}", err=True)
+    return status
+
+
+def _database_url(
+    environment: Environment, config: str | None, database: str | None
+) -> tuple[str, str, str]:
+    """(url, namespace, migrate) by the usual order: --database, $SWEEPD_DATABASE_URL, the config."""
+    path = config or environment.config
+    if path:
+        found, namespace = load_database(path, environment, Overrides(database_url=database))
+        return found.url, namespace, found.migrate
+    url = database or environment.database_url
+    if not url:
+        # No quiet fallback to a local SQLite file here: the same command on
+        # three hosts would then "coordinate" through three different files.
+        raise UsageError(
+            "no database given: pass --database URL, set SWEEPD_DATABASE_URL, or name a config with --config"
+        )
+    return url, environment.namespace or "default", "auto"
+
+
+@cli.group()
+def db() -> None:
+    """Manage sweepd's tables: upgrade, check, or print their DDL."""
+
+
+@db.command("upgrade")
+@config_option
+@database_option
+@click.pass_obj
+def db_upgrade(environment: Environment, config: str | None, database: str | None) -> int:
+    """Create or upgrade sweepd's tables (safe to run from several replicas at once)."""
+    from sweepd.db import migrate
+
+    url, _namespace, _migrate = _database_url(environment, config, database)
+    before, after = migrate.upgrade(url)
+    click.echo(
+        f"schema already at {after}"
+        if before == after
+        else f"schema upgraded: {before or 'none'} -> {after}"
+    )
     return ExitCode.OK
 
 
-def _masked(settings: Settings) -> str:
-    from sweepd.redact import mask_url
+@db.command("check")
+@config_option
+@database_option
+@click.pass_obj
+def db_check(environment: Environment, config: str | None, database: str | None) -> int:
+    """Exit 1 unless the schema is current."""
+    from sweepd.db.health import check_database
 
-    return mask_url(settings.database.url)
+    url, _namespace, _migrate = _database_url(environment, config, database)
+    report = check_database(url)
+    if not report.reachable:
+        raise SweepdError(f"database unreachable: {report.error}")
+    if not report.current:
+        click.echo(
+            f"schema is {report.revision or 'missing'}, sweepd needs {report.head}: run `sweepd db upgrade`",
+            err=True,
+        )
+        return ExitCode.FAILED
+    click.echo(f"schema current ({report.revision})")
+    return ExitCode.OK
+
+
+@db.command("sql")
+@click.option("--dialect", type=click.Choice(["postgresql", "mysql", "sqlite"]), required=True)
+def db_sql(dialect: str) -> int:
+    """Print the DDL that `db upgrade` runs on an empty database, for a DBA to apply."""
+    from sweepd.db import migrate
+
+    click.echo(migrate.sql(dialect), nl=False)
+    return ExitCode.OK
+
+
+@cli.command("lock")
+@click.argument("name")
+@click.argument("command", nargs=-1, required=True, metavar="-- COMMAND...")
+@click.option(
+    "--ttl",
+    required=True,
+    metavar="DURATION",
+    help="Lease time to live; heartbeats keep a live holder's.",
+)
+@click.option(
+    "--every", metavar="DURATION", help="The tick is the current epoch-aligned slot of this length."
+)
+@click.option("--tick", "tick_text", metavar="DATETIME", help="The tick, as an ISO 8601 instant.")
+@click.option(
+    "--skip-exit",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 255),
+    help="Exit status when another holder has the lease.",
+)
+@click.option(
+    "--namespace",
+    metavar="NAME",
+    help="Lease namespace (default: $SWEEPD_NAMESPACE, the config, then 'default').",
+)
+@config_option
+@database_option
+@click.pass_obj
+def lock(
+    environment: Environment,
+    name: str,
+    command: tuple[str, ...],
+    ttl: str,
+    every: str | None,
+    tick_text: str | None,
+    skip_exit: int,
+    namespace: str | None,
+    config: str | None,
+    database: str | None,
+) -> int:
+    """Run COMMAND only if this process wins the lease NAME.
+
+    The same line in the crontab of three hosts runs COMMAND once per tick.
+    A loser says on stderr who holds the lease and exits with --skip-exit.
+    """
+    from sweepd.config import NAME_PATTERN
+    from sweepd.db import migrate
+    from sweepd.db.engine import make_engine
+    from sweepd.guard import run_locked
+    from sweepd.lease import LeaseStore, make_holder
+    from sweepd.observe import configure_logging, get_logger
+    from sweepd.schedule import Every, previous_tick
+
+    if not NAME_PATTERN.fullmatch(name):
+        raise UsageError(
+            f"lock: invalid name {name!r}: use lowercase letters, digits, '.', '_' and '-'"
+        )
+    lease_ttl = _duration(ttl, "--ttl")
+    if every is not None and tick_text is not None:
+        raise UsageError("lock: give --every or --tick, not both")
+    tick = None
+    if every is not None:
+        tick = previous_tick(Every(_duration(every, "--every")), datetime.now(UTC))
+    elif tick_text is not None:
+        tick = _instant(tick_text, "--tick")
+    url, config_namespace, migrate_mode = _database_url(environment, config, database)
+    configure_logging(
+        _log_format(environment.log_format), _log_level(environment.log_level, "warning")
+    )
+    if migrate_mode == "auto":
+        migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        if migrate_mode == "never":
+            migrate.require_current(engine)
+        store = LeaseStore(engine, namespace or environment.namespace or config_namespace)
+        holder = make_holder()
+        log = get_logger(sweep=name, tick=tick.isoformat() if tick else None, holder=holder)
+
+        def on_event(event: str, fields: dict[str, Any]) -> None:
+            if event in ("lease.claimed", "lease.released"):
+                log.debug(event, **fields)
+            elif event == "lease.renew_failed":
+                log.warning(event, **fields)
+            else:
+                log.error(event, **fields)
+
+        outcome = run_locked(
+            store, name, command, ttl=lease_ttl, tick=tick, holder=holder, on_event=on_event
+        )
+    finally:
+        engine.dispose()
+    if isinstance(outcome, int):
+        return outcome
+    if outcome.reason == "already_run":
+        click.echo(
+            f"sweepd lock: {name}: tick {_iso(outcome.tick)} already claimed by {outcome.holder}; not running",
+            err=True,
+        )
+    else:
+        click.echo(
+            f"sweepd lock: {name}: held by {outcome.holder} until {_iso(outcome.expires_at)}; not running",
+            err=True,
+        )
+    return skip_exit
+
+
+def _log_format(value: str | None) -> LogFormat:
+    if value in (None, "auto", "console", "json"):
+        return cast(LogFormat, value or "auto")
+    raise UsageError(f"$SWEEPD_LOG_FORMAT: expected auto, console or json, got {value!r}")
+
+
+def _log_level(value: str | None, default: LogLevel) -> LogLevel:
+    if value in (None, "debug", "info", "warning", "error"):
+        return cast(LogLevel, value or default)
+    raise UsageError(f"$SWEEPD_LOG_LEVEL: expected debug, info, warning or error, got {value!r}")
+
+
+def _iso(instant: datetime | None) -> str:
+    return "?" if instant is None else instant.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _duration(text: str, option: str) -> timedelta:
+    try:
+        value = parse_duration(text)
+    except ValueError as error:
+        raise UsageError(f"{option}: {error}") from None
+    if value <= timedelta(0):
+        raise UsageError(f"{option}: must be longer than zero")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ class ExitCode(IntEnum):
 class SweepdError(Exception):
     """sweepd failed."""
 
-    exit_code = ExitCode.FAILED
+    exit_code: int = ExitCode.FAILED
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
@@ -46,7 +46,7 @@ class Problem:
 class UsageError(SweepdError):
     """The command was called wrongly."""
 
-    exit_code = ExitCode.USAGE
+    exit_code: int = ExitCode.USAGE
 
 
 class ConfigError(UsageError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
 IN_CI = os.environ.get("CI") == "true"
+MakeDatabase = Callable[[str], str]
 SERVERS = {
     "postgresql": os.environ.get(
         "SWEEPD_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -44,7 +45,7 @@ def _server_or_skip(dialect: str) -> str:
 
 
 @pytest.fixture
-def make_database(tmp_path: Path) -> Iterator[object]:
+def make_database(tmp_path: Path) -> Iterator[Callable[[str], str]]:
     """``make_database(dialect) -> url`` of a new, empty database, dropped at teardown."""
     created: list[tuple[str, str, str]] = []
 
@@ -85,6 +86,6 @@ def dialect(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def database_url(dialect: str, make_database: object) -> str:
+def database_url(dialect: str, make_database: Callable[[str], str]) -> str:
     """A fresh, empty database of each dialect in turn."""
-    return make_database(dialect)  # type: ignore[operator,no-any-return]
+    return make_database(dialect)
