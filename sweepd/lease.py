@@ -24,11 +24,11 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from sqlalchemy import Engine, and_, func, insert, or_, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -419,44 +419,50 @@ class Lease:
         await asyncio.to_thread(self.release)
 
 
-def leased(
-    database: str | Engine,
-    name: str,
-    *,
-    ttl: timedelta | str,
-    namespace: str = "default",
-) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+class leased:  # lowercase: used as a decorator, it reads as one
     """Decorate a function so each call runs only if it wins the lease; a lost call returns None.
 
     Works on sync and async functions. Each call is its own claim with no
     tick: the lease keeps calls on several hosts from overlapping.
     """
-    engine = make_engine(database) if isinstance(database, str) else database
 
-    def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
+    def __init__(
+        self, database: str | Engine, name: str, *, ttl: timedelta | str, namespace: str = "default"
+    ) -> None:
+        self.engine = make_engine(database) if isinstance(database, str) else database
+        self.name, self.ttl, self.namespace = name, ttl, namespace
+
+    def _lease(self) -> Lease:
+        return Lease(self.engine, self.name, ttl=self.ttl, namespace=self.namespace)
+
+    @overload
+    def __call__(
+        self, fn: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]: ...
+    def __call__(self, fn: Callable[P, Any]) -> Callable[P, Any]:
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
                 try:
-                    async with Lease(engine, name, ttl=ttl, namespace=namespace):
+                    async with self._lease():
                         return await fn(*args, **kwargs)
                 except LeaseUnavailable:
                     return None
 
-            return cast(Callable[P, R | None], run_async)
+            return run_async
 
         @functools.wraps(fn)
-        def run(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        def run(*args: P.args, **kwargs: P.kwargs) -> Any:
             try:
-                with Lease(engine, name, ttl=ttl, namespace=namespace):
+                with self._lease():
                     return fn(*args, **kwargs)
             except LeaseUnavailable:
                 return None
 
         return run
-
-    return decorate
 
 
 __all__ = [

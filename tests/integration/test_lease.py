@@ -1,0 +1,198 @@
+"""The lease protocol on every dialect, against real databases."""
+
+import asyncio
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine, event
+
+from sweepd.db import migrate
+from sweepd.db.engine import make_engine
+from sweepd.lease import Lease, LeaseStore, LeaseUnavailable, Lost, Won, leased
+
+TTL = timedelta(seconds=30)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def tick(n: int) -> datetime:
+    return T0 + timedelta(minutes=n)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    migrate.upgrade(database_url)
+    engine = make_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def store(engine: Engine) -> LeaseStore:
+    return LeaseStore(engine, "test")
+
+
+def test_first_claim_wins_token_one_and_the_same_tick_is_not_won_twice(store: LeaseStore) -> None:
+    assert store.claim("purge", "a", TTL, tick(1)) == Won(token=1, holder="a", tick=tick(1))
+    lost = store.claim("purge", "b", TTL, tick(1))
+    assert isinstance(lost, Lost)
+    assert (lost.reason, lost.holder, lost.tick) == ("already_run", "a", tick(1))
+
+
+def test_a_newer_tick_waits_for_the_lease_and_tokens_grow_by_one(store: LeaseStore) -> None:
+    first = store.claim("purge", "a", TTL, tick(1))
+    assert isinstance(first, Won)
+    held = store.claim("purge", "b", TTL, tick(2))
+    assert isinstance(held, Lost)
+    assert (held.reason, held.holder) == ("lease_held", "a")
+    assert held.expires_at is not None and held.expires_at > store.now()
+    assert store.release("purge", "a", first.token)
+    second = store.claim("purge", "b", TTL, tick(2))
+    assert second == Won(token=2, holder="b", tick=tick(2))
+    # An older tick than the last claimed is never run, even with the lease free.
+    assert store.release("purge", "b", 2)
+    stale = store.claim("purge", "c", TTL, tick(1))
+    assert isinstance(stale, Lost) and stale.reason == "already_run"
+
+
+def test_namespaces_and_names_are_separate_leases(engine: Engine) -> None:
+    one, two = LeaseStore(engine, "one"), LeaseStore(engine, "two")
+    assert isinstance(one.claim("purge", "a", TTL, tick(1)), Won)
+    assert isinstance(two.claim("purge", "b", TTL, tick(1)), Won)
+    assert isinstance(one.claim("prune", "c", TTL, tick(1)), Won)
+
+
+def test_a_claim_without_a_tick_guards_overlap_but_leaves_the_tick_alone(store: LeaseStore) -> None:
+    scheduled = store.claim("purge", "a", TTL, tick(5))
+    assert isinstance(scheduled, Won)
+    store.release("purge", "a", scheduled.token)
+    manual = store.claim("purge", "m", TTL)
+    assert manual == Won(token=2, holder="m", tick=None)
+    assert isinstance(store.claim("purge", "x", TTL), Lost)  # overlap refused
+    row = store.read("purge")
+    assert row is not None and row.tick == tick(5)  # the manual run recorded no tick
+    store.release("purge", "m", manual.token)
+    assert isinstance(store.claim("purge", "b", TTL, tick(6)), Won)  # next tick not shifted
+
+
+def test_expiry_is_measured_on_the_database_clock_below_a_second(store: LeaseStore) -> None:
+    won = store.claim("purge", "a", timedelta(milliseconds=300), tick(1))
+    assert isinstance(won, Won)
+    row = store.read("purge")
+    assert row is not None
+    assert (
+        timedelta(milliseconds=290)
+        <= row.expires_at - row.acquired_at
+        <= timedelta(milliseconds=310)
+    )
+    assert isinstance(store.claim("purge", "b", TTL, tick(2)), Lost)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        outcome = store.claim("purge", "b", TTL, tick(2))
+        if isinstance(outcome, Won):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("an expired 300 ms lease was not claimable within 5 s")
+    assert outcome.token == 2
+    assert store.now() - row.acquired_at < timedelta(seconds=5)
+
+
+def test_renew_extends_only_for_the_holder_and_token(store: LeaseStore) -> None:
+    won = store.claim("purge", "a", timedelta(seconds=2), tick(1))
+    assert isinstance(won, Won)
+    before = store.read("purge")
+    assert store.renew("purge", "a", won.token, timedelta(minutes=5))
+    after = store.read("purge")
+    assert before is not None and after is not None
+    assert after.expires_at - before.expires_at > timedelta(minutes=4)
+    assert not store.renew("purge", "a", won.token + 1, TTL)
+    assert not store.renew("purge", "b", won.token, TTL)
+    assert not store.release("purge", "b", won.token)
+
+
+def test_a_winning_claim_is_one_statement_once_the_row_exists(
+    engine: Engine, store: LeaseStore
+) -> None:
+    store.release("purge", "a", _won(store.claim("purge", "a", TTL, tick(1))).token)
+    statements: list[str] = []
+
+    def count(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        won = _won(store.claim("purge", "a", TTL, tick(2)))
+        assert len(statements) == 1, statements
+        store.release("purge", "a", won.token)
+        assert len(statements) == 2, statements
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+
+
+def _won(outcome: object) -> Won:
+    assert isinstance(outcome, Won), outcome
+    return outcome
+
+
+# -- the library face --------------------------------------------------------------------
+
+
+def test_lease_context_manager_holds_heartbeats_and_releases(engine: Engine) -> None:
+    store = LeaseStore(engine, "default")
+    with Lease(engine, "export", ttl=timedelta(milliseconds=900), tick=tick(1)) as held:
+        assert held.token == 1
+        # Held for over three ttls: only heartbeats can keep it.
+        time.sleep(2.0)
+        assert not held.lost.is_set()
+        assert isinstance(store.claim("export", "other", TTL, tick(2)), Lost)
+    # Released on exit: the next tick is claimable at once.
+    assert isinstance(store.claim("export", "other", TTL, tick(2)), Won)
+
+
+def test_lease_context_manager_refuses_when_held(engine: Engine) -> None:
+    with Lease(engine, "export", ttl="30s", tick=tick(1)):
+        with pytest.raises(LeaseUnavailable, match=r"^export: held by .+ until "):
+            with Lease(engine, "export", ttl="30s", tick=tick(2)):
+                pytest.fail("ran while another holder had the lease")
+    with pytest.raises(
+        LeaseUnavailable, match=r"^export: tick 2026-01-01T00:01:00\+00:00 was already claimed by "
+    ):
+        with Lease(engine, "export", ttl="30s", tick=tick(1)):
+            pytest.fail("ran a tick twice")
+
+
+def test_lease_releases_when_the_body_raises_and_keeps_its_exception(engine: Engine) -> None:
+    with pytest.raises(KeyError, match="boom"), Lease(engine, "export", ttl="30s"):
+        raise KeyError("boom")
+    assert isinstance(LeaseStore(engine, "default").claim("export", "x", TTL), Won)
+
+
+def test_async_lease(engine: Engine) -> None:
+    async def main() -> int | None:
+        async with Lease(engine, "export", ttl="30s", tick=tick(1)) as held:
+            await asyncio.sleep(0)
+            return held.token
+
+    assert asyncio.run(main()) == 1
+
+
+def test_leased_decorator_runs_only_the_winner(engine: Engine) -> None:
+    calls: list[str] = []
+
+    @leased(engine, "nightly", ttl="30s")
+    def job(label: str) -> str:
+        calls.append(label)
+        return label.upper()
+
+    @leased(engine, "nightly", ttl="30s")
+    async def async_job() -> str:
+        return "async"
+
+    assert job("first") == "FIRST"
+    with Lease(engine, "nightly", ttl="30s"):
+        assert job("while held") is None
+        assert asyncio.run(async_job()) is None
+    assert asyncio.run(async_job()) == "async"
+    assert calls == ["first"]
