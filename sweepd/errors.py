@@ -55,3 +55,13 @@ class ConfigError(UsageError):
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
         super().__init__("\n".join(str(problem) for problem in problems))
+
+
+class StoreError(SweepdError):
+    """The lease store failed: the database could not be reached or refused the statement."""
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        # Transient faults (a connection, a timeout) may pass by the next tick;
+        # the others (a missing table, a wrong column) will not fix themselves.
+        self.transient = transient

@@ -33,11 +33,10 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 from sqlalchemy import Engine, and_, func, insert, or_, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from sweepd.db.engine import db_now, db_now_plus, is_duplicate_key, make_engine
+from sweepd.db.engine import db_now, db_now_plus, is_duplicate_key, make_engine, store_fault
 from sweepd.db.schema import sweep_leases
 from sweepd.durations import parse_duration
-from sweepd.errors import SweepdError
-from sweepd.redact import mask_in
+from sweepd.errors import StoreError, SweepdError
 
 _MICRO = timedelta(microseconds=1)
 
@@ -79,31 +78,6 @@ class LeaseRow:
     expires_at: datetime
     tick: datetime | None
     fencing_token: int
-
-
-class StoreError(SweepdError):
-    """The lease store failed: the database could not be reached or refused the statement."""
-
-    def __init__(self, message: str, *, transient: bool) -> None:
-        super().__init__(message)
-        # Transient faults (a connection, a timeout) may pass by the next tick;
-        # the others (a missing table, a wrong column) will not fix themselves.
-        self.transient = transient
-
-
-def _fault(operation: str, name: str, engine: Engine, error: SQLAlchemyError) -> StoreError:
-    orig = getattr(error, "orig", None) or error
-    first_line = (str(orig).strip().splitlines() or [""])[0]
-    message = mask_in(
-        f"lease {operation} for {name!r} failed: {type(orig).__name__}: {first_line}",
-        engine.url.render_as_string(hide_password=False),
-    )
-    transient = (
-        not isinstance(error, DBAPIError)
-        or error.connection_invalidated
-        or type(error).__name__ in ("OperationalError", "InterfaceError")
-    )
-    return StoreError(message, transient=transient)
 
 
 class LeaseStore:
@@ -193,7 +167,7 @@ class LeaseStore:
                     )
                 return Won(token=1, holder=holder, tick=tick)
         except SQLAlchemyError as error:
-            raise _fault("claim", name, self.engine, error) from error
+            raise store_fault("lease claim", name, self.engine, error) from error
 
     def _explain(self, connection: Any, name: str, tick: datetime | None) -> Lost | None:
         """Why the UPDATE changed nothing, or None when there is no row yet."""
@@ -224,7 +198,7 @@ class LeaseStore:
                 )
                 return bool(result.rowcount == 1)
         except SQLAlchemyError as error:
-            raise _fault("renew", name, self.engine, error) from error
+            raise store_fault("lease renew", name, self.engine, error) from error
 
     def release(self, name: str, holder: str, token: int) -> bool:
         """Free the lease now, only if this holder and token still have it.
@@ -250,7 +224,7 @@ class LeaseStore:
             with self.engine.connect() as connection:
                 row = connection.execute(select(sweep_leases).where(self._key(name))).first()
         except SQLAlchemyError as error:
-            raise _fault("read", name, self.engine, error) from error
+            raise store_fault("lease read", name, self.engine, error) from error
         return None if row is None else LeaseRow(**row._mapping)
 
     def now(self) -> datetime:
@@ -259,7 +233,7 @@ class LeaseStore:
             with self.engine.connect() as connection:
                 value = connection.execute(select(db_now())).scalar_one()
         except SQLAlchemyError as error:
-            raise _fault("clock read", "-", self.engine, error) from error
+            raise store_fault("clock read", "database", self.engine, error) from error
         assert isinstance(value, datetime)
         return value
 

@@ -14,14 +14,14 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 
 from sweepd.db.schema import UtcDateTime
-from sweepd.errors import UsageError
-from sweepd.redact import mask_url
+from sweepd.errors import StoreError, UsageError
+from sweepd.redact import mask_in, mask_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=5)
 
@@ -184,3 +184,19 @@ def is_duplicate_key(error: DBAPIError) -> bool:
 
 def backend_of(engine: Engine) -> str:
     return engine.dialect.name
+
+
+def store_fault(operation: str, name: str, engine: Engine, error: SQLAlchemyError) -> StoreError:
+    """A driver's exception as one line naming what failed, with no password in it."""
+    orig = getattr(error, "orig", None) or error
+    first_line = (str(orig).strip().splitlines() or [""])[0]
+    url = engine.url.render_as_string(hide_password=False)
+    message = mask_in(f"{operation} for {name!r} failed: {type(orig).__name__}: {first_line}", url)
+    # Retry only what may pass: lost connections and timeouts. A missing table
+    # or a wrong column is not going to fix itself on the next tick.
+    transient = (
+        not isinstance(error, DBAPIError)
+        or error.connection_invalidated
+        or type(error).__name__ in ("OperationalError", "InterfaceError")
+    )
+    return StoreError(message, transient=transient)

@@ -1,0 +1,148 @@
+"""Run history: one ``sweep_runs`` row per attempt, from start to how it ended.
+
+A run that started leaves a row that says how it ended. The row is written
+``running`` before the sweep's code is called and finished after it returns;
+a replica that crashes in between leaves ``running`` behind, and whichever
+replica next wins that sweep's lease marks it ``lost``: its higher fencing
+token proves the old holder's claim is over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from sqlalchemy import Engine, delete, insert, select, update
+from sqlalchemy.exc import SQLAlchemyError
+
+from sweepd.db.engine import db_now, store_fault
+from sweepd.db.schema import ERROR_LENGTH, sweep_runs
+from sweepd.errors import StoreError
+
+Status = Literal["running", "success", "failed", "timeout", "cancelled", "lost"]
+Trigger = Literal["schedule", "manual"]
+
+
+@dataclass(frozen=True)
+class RunRow:
+    id: int
+    namespace: str
+    name: str
+    tick: datetime | None
+    holder: str
+    fencing_token: int
+    attempt: int
+    trigger: str
+    started_at: datetime
+    finished_at: datetime | None
+    status: str
+    error: str | None
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message``, cut to what the column keeps."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= ERROR_LENGTH else text[: ERROR_LENGTH - 1] + "…"
+
+
+class History:
+    def __init__(self, engine: Engine, namespace: str) -> None:
+        self.engine = engine
+        self.namespace = namespace
+
+    def start(
+        self,
+        name: str,
+        tick: datetime | None,
+        holder: str,
+        token: int,
+        attempt: int,
+        trigger: Trigger,
+    ) -> int:
+        try:
+            with self.engine.connect() as connection:
+                result = connection.execute(
+                    insert(sweep_runs).values(
+                        namespace=self.namespace,
+                        name=name,
+                        tick=tick,
+                        holder=holder,
+                        fencing_token=token,
+                        attempt=attempt,
+                        trigger=trigger,
+                        started_at=db_now(),
+                        status="running",
+                    )
+                )
+                key = result.inserted_primary_key
+                assert key is not None
+                return int(key[0])
+        except SQLAlchemyError as error:
+            raise store_fault("run start", name, self.engine, error) from error
+
+    def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
+        """Record how the run ended; only a row still ``running`` changes, so a row
+        already marked ``lost`` by the next holder keeps saying so."""
+        try:
+            with self.engine.connect() as connection:
+                connection.execute(
+                    update(sweep_runs)
+                    .where(sweep_runs.c.id == run_id, sweep_runs.c.status == "running")
+                    .values(status=status, finished_at=db_now(), error=error)
+                )
+        except SQLAlchemyError as error_:
+            raise store_fault("run finish", name, self.engine, error_) from error_
+
+    def mark_lost(self, name: str, token: int) -> int:
+        """Rows of ``name`` left ``running`` under an older token: their holder is gone."""
+        c = sweep_runs.c
+        try:
+            with self.engine.connect() as connection:
+                result = connection.execute(
+                    update(sweep_runs)
+                    .where(
+                        c.namespace == self.namespace,
+                        c.name == name,
+                        c.status == "running",
+                        c.fencing_token < token,
+                    )
+                    .values(
+                        status="lost",
+                        finished_at=db_now(),
+                        error="the replica running it stopped heartbeating",
+                    )
+                )
+                return int(result.rowcount)
+        except SQLAlchemyError as error:
+            raise store_fault("mark lost", name, self.engine, error) from error
+
+    def prune(self, keep: timedelta) -> int:
+        """Delete finished rows that started longer than ``keep`` ago (database clock)."""
+        c = sweep_runs.c
+        try:
+            with self.engine.connect() as connection:
+                cutoff = connection.execute(select(db_now())).scalar_one() - keep
+                result = connection.execute(
+                    delete(sweep_runs).where(
+                        c.namespace == self.namespace, c.started_at < cutoff, c.status != "running"
+                    )
+                )
+                return int(result.rowcount)
+        except SQLAlchemyError as error:
+            raise store_fault("prune", "history", self.engine, error) from error
+
+    def runs(self, name: str | None = None, limit: int = 50) -> list[RunRow]:
+        c = sweep_runs.c
+        query = select(sweep_runs).where(c.namespace == self.namespace)
+        if name is not None:
+            query = query.where(c.name == name)
+        query = query.order_by(c.started_at.desc(), c.id.desc()).limit(limit)
+        try:
+            with self.engine.connect() as connection:
+                return [RunRow(**row._mapping) for row in connection.execute(query)]
+        except SQLAlchemyError as error:
+            raise store_fault("history read", name or "-", self.engine, error) from error
+
+
+__all__ = ["History", "RunRow", "Status", "StoreError", "Trigger", "describe_error"]
