@@ -137,6 +137,58 @@ def check_config(
     return status
 
 
+@cli.command("run")
+@config_option
+@database_option
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Load everything and log the ticks it would fire; claim and run nothing.",
+)
+@click.pass_obj
+def run(environment: Environment, config: str | None, database: str | None, dry_run: bool) -> int:
+    """Run the daemon: fire every sweep on its schedule, each tick once across replicas."""
+    import asyncio
+
+    from sweepd.daemon import Daemon
+    from sweepd.db import migrate
+    from sweepd.db.engine import make_engine
+    from sweepd.lifecycle import serve
+    from sweepd.observe import configure_logging, get_logger
+
+    path = config or environment.config
+    settings = _settings(environment, config, database)
+    assert path is not None
+    configure_logging(settings.log_format, settings.log_level)
+    log = get_logger()
+    for warning in settings.warnings:
+        log.warning(
+            "config.warning", location=warning.location, path=warning.path, message=warning.message
+        )
+    log.info(
+        "daemon.starting",
+        config=settings.path,
+        database=mask_url(settings.database.url),
+        namespace=settings.namespace,
+    )
+    if settings.database.migrate == "auto" and not dry_run:
+        before, after = migrate.upgrade(settings.database.url)
+        if before != after:
+            log.info("schema.upgraded", before=before, after=after)
+    engine = make_engine(settings.database.url)
+    try:
+        migrate.require_current(engine)
+
+        def reload() -> Settings:
+            # The environment as read at start: a reload re-reads the file only.
+            return load_settings(path, environment, Overrides(database_url=database))
+
+        daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
+        return asyncio.run(serve(daemon, log))
+    finally:
+        engine.dispose()
+
+
 def _database_url(
     environment: Environment, config: str | None, database: str | None
 ) -> tuple[str, str, str]:

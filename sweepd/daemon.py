@@ -1,0 +1,390 @@
+"""The loop: ticks -> single-flight queues -> the runner; reload; drain.
+
+One asyncio loop sleeps until the next due tick (a heap of fire times, no
+polling), hands the tick to its sweep's queue, and goes back to sleep. Each
+sweep has one flight: at most one run in progress and one tick waiting, so
+a sweep never overlaps itself; ticks that arrive while one waits are folded
+into it and counted. Runs take one of ``concurrency`` slots before they
+claim, so a tick waiting for a slot holds no lease.
+
+``Daemon.run()`` installs no signal handlers: ``lifecycle`` does that for
+the command, and tests and embedders call ``stop()`` themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine
+
+from sweepd.clock import Clock, SystemClock
+from sweepd.history import History
+from sweepd.lease import LeaseStore, make_holder
+from sweepd.model import Settings, SweepDef
+from sweepd.observe import get_logger
+from sweepd.runner import Runner, iso
+from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, ticks_from
+
+HISTORY_SWEEP = "sweepd.prune-history"
+# Extra time, past drain_timeout, that cancelled runs get to notice and return.
+CANCEL_GRACE_SECONDS = 2.0
+
+
+@dataclass
+class Flight:
+    """One sweep's single-flight queue."""
+
+    sweep: SweepDef
+    task: asyncio.Task[None] | None = None
+    waiting: datetime | None = None
+    removed: bool = False
+
+
+@dataclass(order=True)
+class _Due:
+    fire_at: datetime
+    seq: int
+    tick: datetime = field(compare=False)
+    name: str = field(compare=False)
+    generation: int = field(compare=False)
+
+
+class Daemon:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        *,
+        clock: Clock | None = None,
+        holder: str | None = None,
+        dry_run: bool = False,
+        reload: Callable[[], Settings] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.clock = clock or SystemClock()
+        self.holder = holder or make_holder()
+        self.dry_run = dry_run
+        self._reload = reload
+        self.rng = rng or random.Random()
+        self.stats: Counter[str] = Counter()
+        self.log = get_logger(holder=self.holder, namespace=settings.namespace)
+        self.runner = Runner(
+            LeaseStore(engine, settings.namespace),
+            History(engine, settings.namespace),
+            self.holder,
+            self.clock,
+            self.log,
+            self.stats,
+        )
+        self.flights: dict[str, Flight] = {}
+        self._retired: list[Flight] = []  # removed by a reload, their last run still going
+        self._heap: list[_Due] = []
+        self._seq = 0
+        self._generation: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._reload_requested = False
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self.ready = asyncio.Event()  # schedules loaded: the moment to say READY=1
+        self.heartbeat_at = 0.0  # monotonic time the loop last woke, for /healthz
+
+    # -- control, safe to call from signal handlers and other threads via call_soon ----
+
+    def stop(self) -> None:
+        """Begin draining; a second call changes nothing."""
+        self._stopping = True
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._stopping
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        now = self.clock.now()
+        for sweep in self._all_sweeps(self.settings):
+            self._add(sweep, now, starting=True)
+        self.log.info(
+            "daemon.started",
+            sweeps=len(self.flights),
+            concurrency=self.settings.concurrency,
+            dry_run=self.dry_run,
+        )
+        self.ready.set()
+        try:
+            await self._loop()
+        finally:
+            await self._drain()
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            self.heartbeat_at = self.clock.monotonic()
+            if self._reload_requested:
+                self._reload_requested = False
+                await self._apply_reload()
+                continue
+            now = self.clock.now()
+            while self._heap and self._heap[0].fire_at <= now:
+                due = heapq.heappop(self._heap)
+                if self._generation.get(due.name) == due.generation:
+                    self._fire(due, now)
+            delay = (self._heap[0].fire_at - now).total_seconds() if self._heap else 3600.0
+            # Wake at least every 30 s so /healthz sees a live loop and a
+            # stepped wall clock is noticed without waiting out a long delay.
+            await self._sleep(min(delay, 30.0))
+
+    async def _sleep(self, seconds: float) -> None:
+        self._wake.clear()
+        if self._stopping or self._reload_requested:
+            return
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        waker = asyncio.ensure_future(self._wake.wait())
+        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (sleeper, waker):
+            task.cancel()
+        await asyncio.gather(sleeper, waker, return_exceptions=True)
+
+    # -- schedules ---------------------------------------------------------------------------
+
+    def _all_sweeps(self, settings: Settings) -> list[SweepDef]:
+        sweeps = [s for s in settings.sweeps if s.enabled]
+        sweeps.append(self._history_sweep(settings))
+        return sweeps
+
+    def _history_sweep(self, settings: Settings) -> SweepDef:
+        """Pruning is a sweep like any other: leased, recorded, once per tick across replicas."""
+        keep = settings.history_keep
+        history = self.runner.history
+
+        def prune() -> None:
+            deleted = history.prune(keep)
+            self.log.info("history.pruned", deleted=deleted, keep=str(keep))
+
+        return SweepDef(
+            name=HISTORY_SWEEP,
+            func=prune,
+            target="sweepd.daemon:prune-history",
+            schedule=Every(min(timedelta(hours=1), max(keep / 4, timedelta(minutes=1)))),
+            ttl=timedelta(minutes=5),
+            timeout=None,
+            misfire_grace=timedelta(minutes=5),
+        )
+
+    def _add(self, sweep: SweepDef, now: datetime, *, starting: bool = False) -> None:
+        generation = self._generation.get(sweep.name, 0) + 1
+        self._generation[sweep.name] = generation
+        flight = self.flights.get(sweep.name)
+        if flight is None or flight.removed:
+            self.flights[sweep.name] = Flight(sweep)
+        else:
+            flight.sweep = sweep  # the run in flight finishes with the settings it started with
+        # No catch-up by default: the first tick is the next one from now, so
+        # a restart or an edited schedule never causes a surprise run.
+        first = next(ticks_from(sweep.schedule, now), None)
+        if starting and sweep.catch_up == "latest":
+            latest = previous_tick(sweep.schedule, now)
+            if latest is not None and latest < now:
+                self.log.info("tick.catch_up", sweep=sweep.name, tick=iso(latest))
+                self._enqueue(sweep.name, latest)
+        if first is not None:
+            self._push(sweep, first, generation)
+
+    def _push(self, sweep: SweepDef, tick: datetime, generation: int) -> None:
+        self._seq += 1
+        fire_at = tick + jitter_delay(sweep.jitter, self.rng)
+        heapq.heappush(self._heap, _Due(fire_at, self._seq, tick, sweep.name, generation))
+
+    def _fire(self, due: _Due, now: datetime) -> None:
+        flight = self.flights[due.name]
+        sweep = flight.sweep
+        following = next_tick(sweep.schedule, due.tick)
+        late = now - due.tick
+        if late > sweep.misfire_grace + (sweep.jitter if sweep.jitter else timedelta(0)):
+            # Fell behind (a suspended host, a stepped clock): every missed tick
+            # is counted, but the loop jumps to the present in one step.
+            missed = [due.tick]
+            while following is not None and following + sweep.misfire_grace < now:
+                missed.append(following)
+                following = next_tick(sweep.schedule, following)
+            self.stats["skipped.missed"] += len(missed)
+            self.log.warning(
+                "tick.skipped",
+                reason="missed",
+                sweep=sweep.name,
+                tick=iso(missed[0]),
+                last=iso(missed[-1]),
+                count=len(missed),
+                late=round(late.total_seconds(), 3),
+            )
+        else:
+            self._enqueue(due.name, due.tick)
+        if following is not None:
+            self._push(sweep, following, due.generation)
+
+    # -- single flight --------------------------------------------------------------------------
+
+    def _enqueue(self, name: str, tick: datetime) -> None:
+        flight = self.flights[name]
+        if self._stopping:
+            self._skip(flight.sweep, tick, "draining")
+            return
+        if self.dry_run:
+            self.stats["ticks.would_fire"] += 1
+            self.log.info("tick.would_fire", sweep=name, tick=iso(tick))
+            return
+        if flight.task is None:
+            flight.task = asyncio.create_task(self._fly(flight, tick), name=f"flight-{name}")
+            return
+        if flight.waiting is None:
+            flight.waiting = tick
+            self.stats["ticks.queued"] += 1
+            self.log.info("tick.queued", sweep=name, tick=iso(tick))
+            return
+        # One tick already waits: fold this one into it.
+        if flight.sweep.coalesce == "latest":
+            folded, flight.waiting = flight.waiting, tick
+        else:
+            folded = tick
+        self._skip(flight.sweep, folded, "coalesced", kept=iso(flight.waiting))
+
+    def _skip(self, sweep: SweepDef, tick: datetime, reason: str, **fields: Any) -> None:
+        self.stats[f"skipped.{reason}"] += 1
+        self.log.info("tick.skipped", reason=reason, sweep=sweep.name, tick=iso(tick), **fields)
+
+    async def _fly(self, flight: Flight, tick: datetime | None) -> None:
+        try:
+            while tick is not None and not self._stopping:
+                async with self._slots:
+                    if self._stopping:
+                        self._skip(flight.sweep, tick, "draining")
+                        break
+                    await self.runner.execute(flight.sweep, tick)
+                tick, flight.waiting = flight.waiting, None
+            if tick is not None and self._stopping:
+                self._skip(flight.sweep, tick, "draining")
+        except Exception as error:  # a bug here must not take the daemon down silently
+            self.log.exception("daemon.flight_crashed", sweep=flight.sweep.name, error=str(error))
+        finally:
+            flight.task = None
+            flight.waiting = None
+
+    # -- reload ---------------------------------------------------------------------------------
+
+    async def _apply_reload(self) -> None:
+        if self._reload is None:
+            return
+        try:
+            new = await asyncio.to_thread(self._reload)
+        except Exception as error:
+            problems = getattr(error, "problems", None)
+            self.log.error(
+                "config.reload_failed",
+                error=str(error).splitlines()[0] if str(error) else type(error).__name__,
+                problems=[str(p) for p in problems] if problems else None,
+                note="the running config is kept",
+            )
+            return
+        now = self.clock.now()
+        old = {s.name: s for s in self._all_sweeps(self.settings)}
+        fresh = {s.name: s for s in self._all_sweeps(new)}
+        for name in old.keys() - fresh.keys():
+            self._generation[name] = (
+                self._generation.get(name, 0) + 1
+            )  # drops its queued fire times
+            flight = self.flights.pop(name, None)
+            if flight is not None:
+                flight.removed = True
+                flight.waiting = None  # its current run, if any, finishes
+                if flight.task is not None:
+                    self._retired.append(flight)
+        added = sorted(fresh.keys() - old.keys())
+        changed = sorted(n for n in fresh.keys() & old.keys() if _differs(fresh[n], old[n]))
+        for name in added + changed:
+            self._add(fresh[name], now)
+        self.settings = replace(self.settings, sweeps=new.sweeps, warnings=new.warnings)
+        self.log.info(
+            "config.reloaded",
+            added=added,
+            removed=sorted(old.keys() - fresh.keys()),
+            changed=changed,
+        )
+
+    # -- drain ----------------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """Stop claiming, let runs finish (heartbeats go on), cancel the rest, release."""
+        self.runner.draining = True
+        for flight in self.flights.values():
+            if flight.waiting is not None:
+                self._skip(flight.sweep, flight.waiting, "draining")
+                flight.waiting = None
+        flights = [*self.flights.values(), *self._retired]
+        tasks = [f.task for f in flights if f.task is not None]
+        self.log.info(
+            "daemon.draining",
+            in_flight=len(tasks),
+            timeout=self.settings.drain_timeout.total_seconds(),
+        )
+        if tasks:
+            _, pending = await asyncio.wait(
+                tasks, timeout=self.settings.drain_timeout.total_seconds()
+            )
+            if pending:
+                await self._cancel_in_flight(pending)
+        self.log.info("daemon.stopped", stats=dict(sorted(self.stats.items())))
+
+    async def _cancel_in_flight(self, pending: set[asyncio.Task[None]]) -> None:
+        history, store = self.runner.history, self.runner.store
+        stuck = []
+        for name in list(self.runner.inflight):
+            attempt = self.runner.stop(name, "cancelled")
+            if attempt is None:
+                continue
+            stuck.append(attempt)
+            self.log.warning(
+                "run.cancelling", sweep=name, run_id=attempt.run_id, reason="drain_timeout"
+            )
+            # Recorded now, before the code gets its chance to return: a run cut
+            # off at the deadline is "cancelled" whatever it does next.
+            if attempt.run_id is not None:
+                try:
+                    await asyncio.to_thread(
+                        history.finish, attempt.run_id, name, "cancelled", "drain timeout reached"
+                    )
+                except Exception as error:
+                    self.log.error(
+                        "run.record_failed", sweep=name, operation="finish", error=str(error)
+                    )
+        _, still = await asyncio.wait(pending, timeout=CANCEL_GRACE_SECONDS)
+        for task in still:
+            task.cancel()
+        # A sync sweep that ignores ctx.cancelled cannot be stopped from here;
+        # its lease is released and the process exit ends its thread.
+        for attempt in stuck:
+            await asyncio.to_thread(store.release, attempt.sweep.name, self.holder, attempt.token)
+
+
+def _differs(a: SweepDef, b: SweepDef) -> bool:
+    return (a.schedule, a.ttl, a.timeout, a.jitter, a.target, dict(a.args), a.retries) != (
+        b.schedule,
+        b.ttl,
+        b.timeout,
+        b.jitter,
+        b.target,
+        dict(b.args),
+        b.retries,
+    )

@@ -1,0 +1,45 @@
+"""Signals and the process's life: drain on the first SIGTERM/SIGINT, die on the second.
+
+Handlers only schedule a call on the loop; they never raise and never do
+work. ``serve`` returns the exit status for the CLI to exit with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+from sweepd.daemon import Daemon
+
+
+async def serve(daemon: Daemon, log: Any) -> int:
+    """Run the daemon with signal handlers installed; 0 after a clean drain."""
+    loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def on_stop(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            log.info("daemon.signal", signal=signal.Signals(signum).name, action="drain")
+            daemon.stop()
+            return
+        # The second signal is the operator saying "now": no drain, no release
+        # (the TTL frees the leases), the shell's status for death by signal.
+        log.warning("daemon.signal", signal=signal.Signals(signum).name, action="exit now")
+        os._exit(128 + signum)
+
+    def on_reload() -> None:
+        log.info("daemon.signal", signal="SIGHUP", action="reload")
+        daemon.request_reload()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_stop, signum)
+    loop.add_signal_handler(signal.SIGHUP, on_reload)
+    try:
+        await daemon.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+    return 0

@@ -1,0 +1,336 @@
+"""One tick of one sweep: claim, record, call, heartbeat, retry, finish, release.
+
+Every outcome is accounted for: a claim that loses is a counted, logged
+skip; a claim that fails is a loud error; a run that starts writes its row
+before the sweep's code is called and finishes it after, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from sweepd.clock import Clock
+from sweepd.context import SweepContext
+from sweepd.errors import StoreError
+from sweepd.history import History, Status, Trigger, describe_error
+from sweepd.lease import LeaseStore, Lost
+from sweepd.model import SweepDef
+
+CancelReason = Literal["timeout", "lost", "cancelled"]
+
+
+def iso(instant: datetime | None) -> str | None:
+    return None if instant is None else instant.isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Attempt:
+    """What the daemon may need to reach into while a run is in flight."""
+
+    sweep: SweepDef
+    token: int
+    ctx: SweepContext
+    run_id: int | None = None
+    task: asyncio.Future[Any] | None = None  # the async run, or the sync run's bridge future
+    reason: CancelReason | None = None  # why it was stopped, when it was
+
+
+@dataclass
+class StoreHealth:
+    """Whether the database answers. After a lease was lost to an outage the
+    replica claims nothing new until a probe gets through again."""
+
+    healthy: bool = True
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Runner:
+    def __init__(
+        self,
+        store: LeaseStore,
+        history: History,
+        holder: str,
+        clock: Clock,
+        log: Any,
+        stats: Counter[str],
+    ) -> None:
+        self.store = store
+        self.history = history
+        self.holder = holder
+        self.clock = clock
+        self.log = log
+        self.stats = stats
+        self.health = StoreHealth()
+        self.inflight: dict[str, Attempt] = {}
+        self.draining = False
+
+    # -- one tick ----------------------------------------------------------------------
+
+    async def execute(
+        self, sweep: SweepDef, tick: datetime | None, trigger: Trigger = "schedule"
+    ) -> str:
+        """Run ``tick`` of ``sweep`` if this replica wins it; return what happened."""
+        log = self.log.bind(sweep=sweep.name, tick=iso(tick), holder=self.holder)
+        if not self.health.healthy:
+            return self._skip(log, "store_unavailable")
+        try:
+            outcome = await asyncio.to_thread(
+                self.store.claim, sweep.name, self.holder, sweep.ttl, tick
+            )
+        except StoreError as error:
+            # Loud: every replica failing here is a sweep that silently stopped.
+            self.stats["lease_errors"] += 1
+            self.stats["ticks_failed"] += 1
+            log.error("lease.error", operation="claim", error=str(error), transient=error.transient)
+            return "lease_error"
+        if isinstance(outcome, Lost):
+            return self._skip(
+                log, outcome.reason, held_by=outcome.holder, expires_at=iso(outcome.expires_at)
+            )
+        token = outcome.token
+        log = log.bind(fencing_token=token)
+        self.stats["ticks_claimed"] += 1
+        log.info("tick.claimed", lateness=self._lateness(tick))
+        await self._mark_lost(sweep, token, log)
+        lease_lost, cancelled = threading.Event(), threading.Event()
+        heartbeat = asyncio.create_task(self._heartbeat(sweep, token, lease_lost, log))
+        status: Status = "failed"
+        try:
+            for attempt in range(1, sweep.retries.max + 2):
+                ctx = SweepContext(
+                    name=sweep.name,
+                    tick=tick if tick is not None else self.clock.now(),
+                    fencing_token=token,
+                    attempt=attempt,
+                    holder=self.holder,
+                    logger=log,
+                    cancelled=cancelled,
+                    lease_lost=lease_lost,
+                )
+                status = await self._attempt(sweep, tick, token, ctx, trigger, log)
+                if (
+                    status not in ("failed", "timeout")
+                    or attempt > sweep.retries.max
+                    or self.draining
+                ):
+                    break
+                if sweep.retries.backoff.total_seconds() > 0:
+                    await self.clock.sleep(sweep.retries.backoff.total_seconds())
+                if self.draining or lease_lost.is_set():
+                    break
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            released = await asyncio.to_thread(self.store.release, sweep.name, self.holder, token)
+            if released:
+                log.debug("lease.released")
+            elif not lease_lost.is_set():
+                log.warning("lease.release_failed", note="the lease frees itself at its expiry")
+        return status
+
+    def _skip(self, log: Any, reason: str, **fields: Any) -> str:
+        self.stats[f"skipped.{reason}"] += 1
+        # Losing to another replica is the system working: quiet. The rest is news.
+        (log.debug if reason in ("lease_held", "already_run") else log.warning)(
+            "tick.skipped", reason=reason, **fields
+        )
+        return reason
+
+    def _lateness(self, tick: datetime | None) -> float | None:
+        return None if tick is None else round((self.clock.now() - tick).total_seconds(), 6)
+
+    async def _mark_lost(self, sweep: SweepDef, token: int, log: Any) -> None:
+        try:
+            count = await asyncio.to_thread(self.history.mark_lost, sweep.name, token)
+        except StoreError as error:
+            log.error("run.record_failed", operation="mark lost", error=str(error))
+            return
+        if count:
+            self.stats["runs.lost"] += count
+            log.warning("run.marked_lost", count=count)
+
+    # -- one attempt ----------------------------------------------------------------------
+
+    async def _attempt(
+        self,
+        sweep: SweepDef,
+        tick: datetime | None,
+        token: int,
+        ctx: SweepContext,
+        trigger: Trigger,
+        log: Any,
+    ) -> Status:
+        try:
+            run_id = await asyncio.to_thread(
+                self.history.start, sweep.name, tick, self.holder, token, ctx.attempt, trigger
+            )
+        except StoreError as error:
+            # No row, no run: a run nobody can account for is worse than a
+            # loudly failed tick.
+            self.stats["ticks_failed"] += 1
+            log.error("run.record_failed", operation="start", error=str(error), attempt=ctx.attempt)
+            return "failed"
+        log = log.bind(run_id=run_id, attempt=ctx.attempt)
+        ctx.logger = log
+        attempt = Attempt(sweep=sweep, token=token, ctx=ctx, run_id=run_id)
+        self.inflight[sweep.name] = attempt
+        started = self.clock.monotonic()
+        log.info("run.started", trigger=trigger)
+        try:
+            status, message = await self._call(attempt)
+        finally:
+            self.inflight.pop(sweep.name, None)
+        duration = round(self.clock.monotonic() - started, 6)
+        try:
+            await asyncio.to_thread(self.history.finish, run_id, sweep.name, status, message)
+        except StoreError as store_error:
+            log.error(
+                "run.record_failed", operation="finish", status=status, error=str(store_error)
+            )
+        self.stats[f"runs.{status}"] += 1
+        fields = {"status": status, "duration": duration}
+        if status == "success":
+            log.info("run.finished", **fields)
+        else:
+            log.error("run.finished", **fields, error=message)
+        return status
+
+    async def _call(self, attempt: Attempt) -> tuple[Status, str | None]:
+        sweep, ctx = attempt.sweep, attempt.ctx
+        call = (
+            functools.partial(sweep.func, ctx, **sweep.args)
+            if sweep.takes_context
+            else functools.partial(sweep.func, **sweep.args)
+        )
+        loop = asyncio.get_running_loop()
+        is_async = inspect.iscoroutinefunction(sweep.func)
+        if is_async:
+            attempt.task = asyncio.ensure_future(call())
+        else:
+            attempt.task = loop.create_future()
+            _start_thread(call, attempt.task, loop, sweep.name)
+        timeout = sweep.timeout.total_seconds() if sweep.timeout is not None else None
+        done, _ = await asyncio.wait({attempt.task}, timeout=timeout)
+        if not done and attempt.reason is None:
+            attempt.reason = "timeout"
+            ctx.cancelled.set()
+            if is_async:
+                attempt.task.cancel()
+        # A sync run keeps its lease and its slot until its thread returns:
+        # letting the next tick start beside it would be the overlap we forbid.
+        result = await asyncio.gather(attempt.task, return_exceptions=True)
+        outcome = result[0]
+        if attempt.reason is not None:
+            return (
+                attempt.reason,
+                None if attempt.reason != "timeout" else f"timed out after {sweep.timeout}",
+            )
+        if ctx.lease_lost.is_set():
+            return "lost", "the lease was lost while the run was in flight"
+        if isinstance(outcome, asyncio.CancelledError):
+            return "cancelled", None
+        if isinstance(outcome, BaseException):
+            return "failed", describe_error(outcome)
+        return "success", None
+
+    def stop(self, name: str, reason: CancelReason) -> Attempt | None:
+        """Tell the in-flight run of ``name`` to stop; an async run is cancelled."""
+        attempt = self.inflight.get(name)
+        if attempt is None:
+            return None
+        if attempt.reason is None:
+            attempt.reason = reason
+        (attempt.ctx.lease_lost if reason == "lost" else attempt.ctx.cancelled).set()
+        if attempt.task is not None and inspect.iscoroutinefunction(attempt.sweep.func):
+            attempt.task.cancel()
+        return attempt
+
+    # -- the heartbeat ----------------------------------------------------------------------
+
+    async def _heartbeat(
+        self, sweep: SweepDef, token: int, lease_lost: threading.Event, log: Any
+    ) -> None:
+        """Renew every ttl/3 on the database's clock; give up when the lease is gone or unreachable too long."""
+        interval = sweep.ttl.total_seconds() / 3
+        last_ok = self.clock.monotonic()
+        while True:
+            await self.clock.sleep(interval)
+            sent = self.clock.monotonic()
+            try:
+                renewed = await asyncio.to_thread(
+                    self.store.renew, sweep.name, self.holder, token, sweep.ttl
+                )
+            except StoreError as error:
+                self.stats["lease_errors"] += 1
+                log.error(
+                    "lease.error", operation="renew", error=str(error), transient=error.transient
+                )
+                # Two renewals missed: the row may expire before a third gets
+                # through, and another replica may take it. Stop the run and
+                # claim nothing until the database answers.
+                if sent - last_ok >= 2 * interval:
+                    self._lose(sweep, log, "unreachable")
+                    self.health.healthy = False
+                    self.health.changed.set()
+                    return
+                continue
+            if not renewed:
+                self._lose(sweep, log, "taken")
+                return
+            last_ok = sent
+
+    def _lose(self, sweep: SweepDef, log: Any, why: str) -> None:
+        self.stats["leases_lost"] += 1
+        log.error("lease.lost", reason=why)
+        self.stop(sweep.name, "lost")
+
+    async def probe(self) -> None:
+        """Wait until the database answers again, then let claims resume."""
+        while not self.health.healthy:
+            try:
+                await asyncio.to_thread(self.store.now)
+            except StoreError as error:
+                self.log.warning("store.unavailable", error=str(error))
+                await self.clock.sleep(1.0)
+                continue
+            self.health.healthy = True
+            self.log.info("store.available")
+
+
+def _start_thread(
+    call: Any, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, name: str
+) -> None:
+    """Run a sync sweep on a daemon thread of its own.
+
+    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so
+    one sweep that ignores ``ctx.cancelled`` would keep a drained daemon from
+    ever exiting. The daemon's ``concurrency`` slots bound how many run.
+    """
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        value, failure = None, None
+        try:
+            value = call()
+        except BaseException as error:  # the sweep's own failure, reported as its run's
+            failure = error
+        # RuntimeError: the loop is gone, the daemon stopped and recorded this run.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, value, failure)
+
+    threading.Thread(target=target, name=f"sweep-{name}", daemon=True).start()
