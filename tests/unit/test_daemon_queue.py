@@ -1,0 +1,160 @@
+"""The single-flight queue and the misfire rule, with time in the test's hands.
+
+The runner is replaced by one whose runs end when the test says so: these
+tests are about which ticks the daemon hands over, not about the lease
+(which the integration and system tests exercise on real databases).
+"""
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from sweepd.daemon import Daemon, Flight, _Due
+from sweepd.db.engine import make_engine
+from sweepd.model import Coalesce, Database, Settings, SweepDef
+from sweepd.schedule import Every
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.current = T0
+
+    def now(self) -> datetime:
+        return self.current
+
+    def monotonic(self) -> float:
+        return (self.current - T0).total_seconds()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)
+
+
+class HeldRunner:
+    """Runs that last until ``finish()``; records which ticks were run."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[str, datetime | None]] = []
+        self.gate = asyncio.Event()
+
+    async def execute(
+        self, sweep: SweepDef, tick: datetime | None, trigger: str = "schedule"
+    ) -> str:
+        self.ran.append((sweep.name, tick))
+        await self.gate.wait()
+        self.gate.clear()
+        return "success"
+
+    async def finish(self) -> None:
+        self.gate.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'q.db'}")
+    yield engine
+    engine.dispose()
+
+
+def daemon_for(
+    engine: Engine, coalesce: Coalesce = "latest", grace: float = 1.0
+) -> tuple[Daemon, HeldRunner]:
+    sweep = SweepDef(
+        name="slow",
+        func=lambda: None,
+        target="x:y",
+        schedule=Every(timedelta(seconds=1)),
+        ttl=timedelta(seconds=30),
+        timeout=None,
+        misfire_grace=timedelta(seconds=grace),
+        coalesce=coalesce,
+    )
+    settings = Settings(
+        path="c.yaml", database=Database("sqlite://", explicit=True), sweeps=(sweep,)
+    )
+    daemon = Daemon(settings, engine, clock=FakeClock())
+    runner = HeldRunner()
+    daemon.runner.execute = runner.execute  # type: ignore[method-assign]
+    daemon.flights["slow"] = Flight(sweep)
+    daemon._generation["slow"] = 1
+    return daemon, runner
+
+
+def fire(daemon: Daemon, tick: float, now: float | None = None) -> None:
+    due = _Due(at(tick), 0, at(tick), "slow", 1)
+    daemon._fire(due, at(now if now is not None else tick))
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+@pytest.mark.parametrize(("coalesce", "expected_second"), [("latest", 3), ("earliest", 1)])
+def test_one_runs_one_waits_the_rest_fold(
+    engine: Engine, coalesce: Coalesce, expected_second: int
+) -> None:
+    async def scenario() -> None:
+        daemon, runner = daemon_for(engine, coalesce)
+        for second in range(4):  # 0 runs; 1 waits; 2 and 3 fold into the waiting one
+            fire(daemon, second)
+            await asyncio.sleep(0)
+        assert runner.ran == [("slow", at(0))]
+        assert daemon.stats["ticks.queued"] == 1
+        assert daemon.stats["skipped.coalesced"] == 2
+        await runner.finish()
+        assert runner.ran == [("slow", at(0)), ("slow", at(expected_second))]
+        await runner.finish()
+        assert daemon.flights["slow"].task is None  # nothing left: the flight lands
+
+    run(scenario())
+
+
+def test_a_late_tick_is_missed_not_run(engine: Engine) -> None:
+    async def scenario() -> None:
+        daemon, runner = daemon_for(engine, grace=1.0)
+        fire(daemon, 10, now=10.5)  # within grace: runs
+        await asyncio.sleep(0)
+        fire(daemon, 11, now=12.5)  # 1.5 s late: missed
+        assert runner.ran == [("slow", at(10))]
+        assert daemon.stats["skipped.missed"] == 1
+        await runner.finish()
+
+    run(scenario())
+
+
+def test_falling_far_behind_counts_every_missed_tick_and_jumps_to_now(engine: Engine) -> None:
+    async def scenario() -> None:
+        daemon, _runner = daemon_for(engine, grace=1.0)
+        daemon._heap.clear()
+        fire(daemon, 100, now=160)  # a host suspended for a minute
+        assert daemon.stats["skipped.missed"] == 59  # ticks 100..158, each accounted for
+        (following,) = daemon._heap
+        # Tick 159 is exactly misfire_grace late: still runnable, so the loop
+        # resumes there, at the present, with no burst of stale ticks.
+        assert following.tick == at(159)
+
+    run(scenario())
+
+
+def test_draining_drops_new_ticks_with_a_reason(engine: Engine) -> None:
+    async def scenario() -> None:
+        daemon, runner = daemon_for(engine)
+        daemon.stop()
+        fire(daemon, 0)
+        await asyncio.sleep(0)
+        assert runner.ran == []
+        assert daemon.stats["skipped.draining"] == 1
+
+    run(scenario())
