@@ -224,6 +224,12 @@ class Runner:
             ctx.cancelled.set()
             if is_async:
                 attempt.task.cancel()
+            else:
+                # Said now, not when the thread finally returns: a sync sweep
+                # that ignores ctx.cancelled holds its lease until it does.
+                ctx.logger.warning(
+                    "run.timed_out", timeout=timeout, note="waiting for the thread to return"
+                )
         # A sync run keeps its lease and its slot until its thread returns:
         # letting the next tick start beside it would be the overlap we forbid.
         result = await asyncio.gather(attempt.task, return_exceptions=True)
