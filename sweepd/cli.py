@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import click
+from sqlalchemy.exc import SQLAlchemyError
 
 from sweepd import __version__
 from sweepd.config import Overrides, load_database, load_settings
@@ -22,7 +23,7 @@ from sweepd.environment import Environment, read_environment
 from sweepd.errors import ConfigError, ExitCode, SweepdError, UsageError
 from sweepd.model import LogFormat, LogLevel, Settings
 from sweepd.plan import describe, render_text
-from sweepd.redact import mask_url
+from sweepd.redact import mask_text, mask_url
 
 
 def _settings(environment: Environment, config: str | None, database: str | None) -> Settings:
@@ -420,6 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SweepdError as exc:
         click.echo(f"sweepd: {exc}", err=True)
         return exc.exit_code
+    except SQLAlchemyError as exc:
+        # A database fault that no layer below named: still one line, no password.
+        orig = getattr(exc, "orig", None) or exc
+        first = (str(orig).strip().splitlines() or [""])[0]
+        click.echo(
+            f"sweepd: database error: {mask_text(f'{type(orig).__name__}: {first}')}", err=True
+        )
+        return ExitCode.FAILED
     return int(result or 0)
 
 

@@ -46,24 +46,53 @@ def run_locked(
     outage), the command is sent SIGTERM: two copies running is the one
     thing this exists to prevent.
     """
-    outcome = store.claim(name, holder, ttl, tick)
-    if isinstance(outcome, Lost):
-        return outcome
-    on_event("lease.claimed", {"token": outcome.token})
-    lost = threading.Event()
-    heartbeat = Heartbeat(store, name, outcome, ttl, lost, on_event=on_event).start()
+    # Handlers go in before the claim: a signal that arrives while we claim,
+    # or before the child exists, is kept and passed on, never lost to
+    # Python's default (which would leave a child running unsupervised).
+    relay = _Relay()
+    previous = {sig: signal.signal(sig, relay.receive) for sig in FORWARDED}
     try:
-        return _run(command, lost, outcome, on_event)
+        outcome = store.claim(name, holder, ttl, tick)
+        if isinstance(outcome, Lost):
+            return outcome
+        on_event("lease.claimed", {"token": outcome.token})
+        lost = threading.Event()
+        heartbeat = Heartbeat(store, name, outcome, ttl, lost, on_event=on_event).start()
+        try:
+            if relay.pending:
+                return 128 + relay.pending[0]  # told to stop before COMMAND began
+            return _run(command, lost, outcome, relay, on_event)
+        finally:
+            heartbeat.stop()
+            released = store.release(name, holder, outcome.token)
+            on_event(
+                "lease.released" if released else "lease.release_failed", {"token": outcome.token}
+            )
     finally:
-        heartbeat.stop()
-        released = store.release(name, holder, outcome.token)
-        on_event("lease.released" if released else "lease.release_failed", {"token": outcome.token})
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Relay:
+    """Signals for the child: passed on once it exists, kept until then."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[bytes] | None = None
+        self.pending: list[int] = []
+
+    def receive(self, signum: int, _frame: FrameType | None) -> None:
+        # Only pass it on; the child decides how to stop, and we wait for it.
+        if self.child is None:
+            self.pending.append(signum)
+        else:
+            self.child.send_signal(signum)
 
 
 def _run(
     command: Sequence[str],
     lost: threading.Event,
     won: Won,
+    relay: _Relay,
     on_event: Callable[[str, dict[str, Any]], None],
 ) -> int:
     try:
@@ -72,26 +101,17 @@ def _run(
         child = subprocess.Popen(list(command), process_group=0)
     except OSError as error:
         raise CommandNotFound(f"cannot run {command[0]!r}: {error.strerror or error}") from None
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        # Only pass it on; the child decides how to stop, and we wait for it.
+    relay.child = child
+    for signum in relay.pending:  # arrived between the claim and the start
         child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-    try:
-        terminated = False
-        while True:
-            try:
-                status = child.wait(timeout=_POLL_SECONDS)
-                break
-            except subprocess.TimeoutExpired:
-                if lost.is_set() and not terminated:
-                    on_event(
-                        "lease.lost_command_terminated", {"token": won.token, "pid": child.pid}
-                    )
-                    child.terminate()
-                    terminated = True
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    terminated = False
+    while True:
+        try:
+            status = child.wait(timeout=_POLL_SECONDS)
+            break
+        except subprocess.TimeoutExpired:
+            if lost.is_set() and not terminated:
+                on_event("lease.lost_command_terminated", {"token": won.token, "pid": child.pid})
+                child.terminate()
+                terminated = True
     return status if status >= 0 else 128 - status

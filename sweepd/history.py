@@ -130,7 +130,7 @@ class History:
                 )
                 return int(result.rowcount)
         except SQLAlchemyError as error:
-            raise store_fault("prune", "history", self.engine, error) from error
+            raise store_fault("history prune", None, self.engine, error) from error
 
     def runs(self, name: str | None = None, limit: int = 50) -> list[RunRow]:
         c = sweep_runs.c

@@ -233,7 +233,7 @@ class LeaseStore:
             with self.engine.connect() as connection:
                 value = connection.execute(select(db_now())).scalar_one()
         except SQLAlchemyError as error:
-            raise store_fault("clock read", "database", self.engine, error) from error
+            raise store_fault("clock read", None, self.engine, error) from error
         assert isinstance(value, datetime)
         return value
 

@@ -28,3 +28,12 @@ def mask_in(text: str, url: str | None) -> str:
     if secret:
         text = text.replace(url, mask_url(url)).replace(secret, "***")
     return text
+
+
+# Any URL with a password, anywhere in a text.
+_ANY_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*):(?P<secret>[^@/\s]*)@")
+
+
+def mask_text(text: str) -> str:
+    """Mask the password of every URL in ``text``, when the URL itself is not known."""
+    return _ANY_USERINFO.sub(lambda m: f"{m['head']}:***@", text)

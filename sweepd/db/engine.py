@@ -186,12 +186,15 @@ def backend_of(engine: Engine) -> str:
     return engine.dialect.name
 
 
-def store_fault(operation: str, name: str, engine: Engine, error: SQLAlchemyError) -> StoreError:
+def store_fault(
+    operation: str, name: str | None, engine: Engine, error: SQLAlchemyError
+) -> StoreError:
     """A driver's exception as one line naming what failed, with no password in it."""
     orig = getattr(error, "orig", None) or error
     first_line = (str(orig).strip().splitlines() or [""])[0]
     url = engine.url.render_as_string(hide_password=False)
-    message = mask_in(f"{operation} for {name!r} failed: {type(orig).__name__}: {first_line}", url)
+    subject = f"{operation} for {name!r}" if name else operation
+    message = mask_in(f"{subject} failed: {type(orig).__name__}: {first_line}", url)
     # Retry only what may pass: lost connections and timeouts. A missing table
     # or a wrong column is not going to fix itself on the next tick.
     transient = (

@@ -21,8 +21,9 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import make_engine
+from sweepd.db.engine import make_engine, store_fault
 from sweepd.db.schema import VERSION_TABLE
 from sweepd.errors import SweepdError
 
@@ -49,9 +50,12 @@ def head() -> str:
 
 def current(engine: Engine) -> str | None:
     """The revision the database is at; None when sweepd's tables were never made."""
-    with engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-        return context.get_current_revision()
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+            return context.get_current_revision()
+    except SQLAlchemyError as error:
+        raise store_fault("schema check", None, engine, error) from error
 
 
 def is_current(engine: Engine) -> bool:
@@ -72,18 +76,23 @@ def upgrade(url: str) -> tuple[str | None, str]:
     """Bring the schema to head under the migration lock; return (before, after)."""
     engine = make_engine(url, autocommit=False)
     try:
-        with engine.connect() as connection, _migration_lock(connection, url):
-            before = MigrationContext.configure(
-                connection, opts={"version_table": VERSION_TABLE}
-            ).get_current_revision()
-            connection.commit()
-            config = _config()
-            config.attributes["connection"] = connection
-            command.upgrade(config, "head")
-            connection.commit()
-            return before, head()
+        return _upgrade(engine, url)
+    except SQLAlchemyError as error:
+        raise store_fault("schema upgrade", None, engine, error) from error
     finally:
         engine.dispose()
+
+
+def _upgrade(engine: Engine, url: str) -> tuple[str | None, str]:
+    with engine.connect() as connection, _migration_lock(connection, url):
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        before = context.get_current_revision()
+        connection.commit()
+        config = _config()
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+        connection.commit()
+        return before, head()
 
 
 def sql(dialect: str) -> str:
