@@ -14,6 +14,7 @@ the command, and tests and embedders call ``stop()`` themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import random
 from collections import Counter
@@ -25,11 +26,12 @@ from typing import Any
 from sqlalchemy import Engine
 
 from sweepd.clock import Clock, SystemClock
+from sweepd.errors import StoreError
 from sweepd.history import History
 from sweepd.lease import LeaseStore, make_holder
 from sweepd.model import Settings, SweepDef
 from sweepd.observe import get_logger
-from sweepd.runner import Runner, iso
+from sweepd.runner import Runner, bounded, iso
 from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, ticks_from
 
 HISTORY_SWEEP = "sweepd.prune-history"
@@ -362,7 +364,7 @@ class Daemon:
             # off at the deadline is "cancelled" whatever it does next.
             if attempt.run_id is not None:
                 try:
-                    await asyncio.to_thread(
+                    await bounded(
                         history.finish, attempt.run_id, name, "cancelled", "drain timeout reached"
                     )
                 except Exception as error:
@@ -375,7 +377,8 @@ class Daemon:
         # A sync sweep that ignores ctx.cancelled cannot be stopped from here;
         # its lease is released and the process exit ends its thread.
         for attempt in stuck:
-            await asyncio.to_thread(store.release, attempt.sweep.name, self.holder, attempt.token)
+            with contextlib.suppress(StoreError):
+                await bounded(store.release, attempt.sweep.name, self.holder, attempt.token)
 
 
 def _differs(a: SweepDef, b: SweepDef) -> bool:

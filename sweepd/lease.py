@@ -274,7 +274,31 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+            # Bounded: a renewal stuck on a silent database must not hang the caller.
+            self._thread.join(timeout=self.ttl.total_seconds() / 3 + 1)
+
+    def _renew(self, timeout: float) -> bool:
+        """One renewal, given up on after ``timeout``: a hung call counts as a failed one."""
+        result: list[bool | BaseException] = []
+
+        def call() -> None:
+            try:
+                result.append(
+                    self.store.renew(self.name, self.won.holder, self.won.token, self.ttl)
+                )
+            except StoreError as error:
+                result.append(error)
+
+        worker = threading.Thread(target=call, name=f"sweepd-renew-{self.name}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if not result:
+            raise StoreError(
+                f"lease renew for {self.name!r} got no answer within {timeout:g}s", transient=True
+            )
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
 
     def _run(self) -> None:
         interval = self.ttl.total_seconds() / 3
@@ -282,7 +306,7 @@ class Heartbeat:
         while not self._stop.wait(interval):
             attempt_at = self.monotonic()
             try:
-                renewed = self.store.renew(self.name, self.won.holder, self.won.token, self.ttl)
+                renewed = self._renew(timeout=interval)
             except StoreError as error:
                 self.on_event("lease.renew_failed", {"error": str(error)})
                 if attempt_at - last_ok >= interval * 2:

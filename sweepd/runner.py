@@ -13,9 +13,10 @@ import functools
 import inspect
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sweepd.clock import Clock
 from sweepd.context import SweepContext
@@ -25,6 +26,28 @@ from sweepd.lease import LeaseStore, Lost
 from sweepd.model import SweepDef
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
+T = TypeVar("T")
+
+
+# How long any one database call may take before the daemon stops waiting for
+# it. The engines bound connect and statement times themselves; this catches
+# what they cannot, such as a server that accepts bytes and never answers.
+DB_CALL_SECONDS = 15.0
+
+
+async def bounded(call: Callable[..., T], *args: Any, timeout: float = DB_CALL_SECONDS) -> T:
+    """Run a blocking database call on a thread, giving up on it after ``timeout``.
+
+    The thread may stay blocked; the caller goes on and treats the call as
+    failed, so a hung database makes ticks fail loudly instead of stalling.
+    """
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(call, *args), timeout)
+    except TimeoutError:
+        name = getattr(call, "__name__", "database call")
+        raise StoreError(
+            f"{name} got no answer from the database within {timeout:g}s", transient=True
+        ) from None
 
 
 def iso(instant: datetime | None) -> str | None:
@@ -82,9 +105,7 @@ class Runner:
         if not self.health.healthy:
             return self._skip(log, "store_unavailable")
         try:
-            outcome = await asyncio.to_thread(
-                self.store.claim, sweep.name, self.holder, sweep.ttl, tick
-            )
+            outcome = await bounded(self.store.claim, sweep.name, self.holder, sweep.ttl, tick)
         except StoreError as error:
             # Loud: every replica failing here is a sweep that silently stopped.
             self.stats["lease_errors"] += 1
@@ -129,7 +150,10 @@ class Runner:
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
-            released = await asyncio.to_thread(self.store.release, sweep.name, self.holder, token)
+            try:
+                released = await bounded(self.store.release, sweep.name, self.holder, token)
+            except StoreError:
+                released = False
             if released:
                 log.debug("lease.released")
             elif not lease_lost.is_set():
@@ -149,7 +173,7 @@ class Runner:
 
     async def _mark_lost(self, sweep: SweepDef, token: int, log: Any) -> None:
         try:
-            count = await asyncio.to_thread(self.history.mark_lost, sweep.name, token)
+            count = await bounded(self.history.mark_lost, sweep.name, token)
         except StoreError as error:
             log.error("run.record_failed", operation="mark lost", error=str(error))
             return
@@ -169,7 +193,7 @@ class Runner:
         log: Any,
     ) -> Status:
         try:
-            run_id = await asyncio.to_thread(
+            run_id = await bounded(
                 self.history.start, sweep.name, tick, self.holder, token, ctx.attempt, trigger
             )
         except StoreError as error:
@@ -190,7 +214,7 @@ class Runner:
             self.inflight.pop(sweep.name, None)
         duration = round(self.clock.monotonic() - started, 6)
         try:
-            await asyncio.to_thread(self.history.finish, run_id, sweep.name, status, message)
+            await bounded(self.history.finish, run_id, sweep.name, status, message)
         except StoreError as store_error:
             log.error(
                 "run.record_failed", operation="finish", status=status, error=str(store_error)
@@ -271,8 +295,10 @@ class Runner:
             await self.clock.sleep(interval)
             sent = self.clock.monotonic()
             try:
-                renewed = await asyncio.to_thread(
-                    self.store.renew, sweep.name, self.holder, token, sweep.ttl
+                # Bounded by the interval: a renewal stuck longer than that is a
+                # missed renewal, even if its thread never comes back.
+                renewed = await bounded(
+                    self.store.renew, sweep.name, self.holder, token, sweep.ttl, timeout=interval
                 )
             except StoreError as error:
                 self.stats["lease_errors"] += 1
@@ -302,7 +328,7 @@ class Runner:
         """Wait until the database answers again, then let claims resume."""
         while not self.health.healthy:
             try:
-                await asyncio.to_thread(self.store.now)
+                await bounded(self.store.now)
             except StoreError as error:
                 self.log.warning("store.unavailable", error=str(error))
                 await self.clock.sleep(1.0)

@@ -70,7 +70,15 @@ def make_engine(
             "application_name": "sweepd",
             # Server-side bounds: a statement blocked on a lock or a slow plan
             # is cancelled by the server and raises, instead of waiting forever.
-            "options": f"-c statement_timeout={seconds * 1000} -c lock_timeout={seconds * 1000}",
+            # lock_timeout a little below, so a blocked claim says it was a lock.
+            "options": f"-c statement_timeout={seconds * 1000} -c lock_timeout={seconds * 1000 - 100}",
+            # A dead host or a cut network: TCP itself gives up within a few
+            # seconds instead of the kernel's default of many minutes.
+            "keepalives": 1,
+            "keepalives_idle": seconds,
+            "keepalives_interval": 1,
+            "keepalives_count": 3,
+            "tcp_user_timeout": seconds * 2000,
         }
     elif backend == "mysql":
         options["connect_args"] = {
@@ -170,9 +178,10 @@ def _plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
 def is_duplicate_key(error: DBAPIError) -> bool:
     """Whether an INSERT failed only because the row already exists: the lost race."""
     orig = error.orig
-    sqlstate = getattr(orig, "sqlstate", None)  # psycopg
-    if sqlstate is not None:
-        return bool(sqlstate == "23505")
+    # PostgreSQL's unique_violation. PyMySQL sets sqlstate too, to MySQL's
+    # generic 23000, so that case must fall through to its error number.
+    if getattr(orig, "sqlstate", None) == "23505":  # psycopg
+        return True
     if isinstance(orig, sqlite3.IntegrityError):
         return getattr(orig, "sqlite_errorname", "") in (
             "SQLITE_CONSTRAINT_PRIMARYKEY",
@@ -197,9 +206,15 @@ def store_fault(
     message = mask_in(f"{subject} failed: {type(orig).__name__}: {first_line}", url)
     # Retry only what may pass: lost connections and timeouts. A missing table
     # or a wrong column is not going to fix itself on the next tick.
-    transient = (
-        not isinstance(error, DBAPIError)
-        or error.connection_invalidated
-        or type(error).__name__ in ("OperationalError", "InterfaceError")
-    )
+    if isinstance(orig, sqlite3.Error):
+        # SQLite says OperationalError for "no such table" too: go by its code.
+        transient = getattr(orig, "sqlite_errorname", "").startswith(
+            ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_PROTOCOL")
+        )
+    else:
+        transient = (
+            not isinstance(error, DBAPIError)
+            or error.connection_invalidated
+            or type(error).__name__ in ("OperationalError", "InterfaceError")
+        )
     return StoreError(message, transient=transient)
