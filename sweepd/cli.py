@@ -154,9 +154,10 @@ def run(environment: Environment, config: str | None, database: str | None, dry_
     from sweepd.daemon import Daemon
     from sweepd.db import migrate
     from sweepd.db.engine import make_engine
-    from sweepd.lifecycle import serve
+    from sweepd.lifecycle import EarlySignals, serve
     from sweepd.observe import configure_logging, get_logger
 
+    early = EarlySignals()
     path = config or environment.config
     settings = _settings(environment, config, database)
     assert path is not None
@@ -185,7 +186,7 @@ def run(environment: Environment, config: str | None, database: str | None, dry_
             return load_settings(path, environment, Overrides(database_url=database))
 
         daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
-        return asyncio.run(serve(daemon, log))
+        return asyncio.run(serve(daemon, log, early))
     finally:
         engine.dispose()
 

@@ -315,6 +315,13 @@ class Daemon:
                     self._retired.append(flight)
         added = sorted(fresh.keys() - old.keys())
         changed = sorted(n for n in fresh.keys() & old.keys() if _differs(fresh[n], old[n]))
+        for name in changed:
+            # A tick of the old schedule still waiting would be a surprise
+            # run after the edit: the next run is the new schedule's next tick.
+            flight = self.flights.get(name)
+            if flight is not None and flight.waiting is not None:
+                self._skip(flight.sweep, flight.waiting, "rescheduled")
+                flight.waiting = None
         for name in added + changed:
             self._add(fresh[name], now)
         self.settings = replace(self.settings, sweeps=new.sweeps, warnings=new.warnings)

@@ -30,11 +30,11 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
-from sqlalchemy import Engine, and_, func, insert, or_, select, update
+from sqlalchemy import BigInteger, Engine, and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from sweepd.db.engine import db_now, db_now_plus, is_duplicate_key, make_engine, store_fault
-from sweepd.db.schema import sweep_leases
+from sweepd.db.schema import UtcDateTime, sweep_leases
 from sweepd.durations import parse_duration
 from sweepd.errors import StoreError, SweepdError
 
@@ -80,6 +80,56 @@ class LeaseRow:
     fencing_token: int
 
 
+class _Statements:
+    """Every lease statement, built once per dialect with bind parameters.
+
+    Building a Core statement and its cache key costs more client CPU than
+    the round trip it sends; a lease store issues the same five shapes
+    forever, so they are built when the store is made.
+    """
+
+    def __init__(self, mysql: bool) -> None:
+        t = sweep_leases.c
+        key = and_(t.namespace == bindparam("p_namespace"), t.name == bindparam("p_name"))
+        ttl = db_now_plus(bindparam("p_micros", type_=BigInteger()))
+        tick = bindparam("p_tick", type_=UtcDateTime())
+        # MySQL has no UPDATE ... RETURNING; LAST_INSERT_ID(expr) hands the
+        # new token back in the same reply instead.
+        token = func.last_insert_id(t.fencing_token + 1) if mysql else t.fencing_token + 1
+        # The free test and the tick test are one WHERE, so racing replicas
+        # cannot both pass it: the database serialises the UPDATE and exactly
+        # one sees a row changed.
+        free = and_(key, t.expires_at <= db_now())
+        claimed = {
+            "holder": bindparam("p_holder"),
+            "acquired_at": db_now(),
+            "expires_at": ttl,
+            "fencing_token": token,
+        }
+        claim_tick = (
+            update(sweep_leases)
+            .where(free, or_(t.tick.is_(None), t.tick < tick))
+            .values(tick=tick, **claimed)
+        )
+        claim_any = update(sweep_leases).where(free).values(**claimed)
+        self.claim_tick = claim_tick if mysql else claim_tick.returning(t.fencing_token)
+        self.claim_any = claim_any if mysql else claim_any.returning(t.fencing_token)
+        self.explain = select(t.holder, t.expires_at, t.tick).where(key)
+        self.insert = insert(sweep_leases).values(
+            namespace=bindparam("p_namespace"),
+            name=bindparam("p_name"),
+            holder=bindparam("p_holder"),
+            acquired_at=db_now(),
+            expires_at=ttl,
+            tick=tick,
+            fencing_token=1,
+        )
+        mine = and_(key, t.holder == bindparam("p_holder"), t.fencing_token == bindparam("p_token"))
+        self.renew = update(sweep_leases).where(mine).values(expires_at=ttl)
+        self.release = update(sweep_leases).where(mine).values(expires_at=db_now())
+        self.read = select(sweep_leases).where(key)
+
+
 class LeaseStore:
     """Claim, renew and release leases of one namespace over one engine.
 
@@ -94,10 +144,10 @@ class LeaseStore:
         self.engine = engine
         self.namespace = namespace
         self._mysql = engine.dialect.name == "mysql"
+        self._sql = _Statements(self._mysql)
 
-    def _key(self, name: str) -> Any:
-        t = sweep_leases.c
-        return and_(t.namespace == self.namespace, t.name == name)
+    def _params(self, name: str, **more: Any) -> dict[str, Any]:
+        return {"p_namespace": self.namespace, "p_name": name, **more}
 
     def claim(self, name: str, holder: str, ttl: timedelta, tick: datetime | None = None) -> Claim:
         """Take the lease for ``tick`` if it is free and the tick is newer than the last claimed.
@@ -106,39 +156,16 @@ class LeaseStore:
         the lease only prevents overlap, and the row's last tick is left as
         it was so the next scheduled tick is neither blocked nor shifted.
         """
-        t = sweep_leases.c
-        micros = ttl // _MICRO
-        # The free test and the tick test are one WHERE, so racing replicas
-        # cannot both pass it: the database serialises the UPDATE and exactly
-        # one sees a row changed.
-        condition = and_(self._key(name), t.expires_at <= db_now())
-        values: dict[str, Any] = {
-            "holder": holder,
-            "acquired_at": db_now(),
-            "expires_at": db_now_plus(micros),
-        }
-        if tick is not None:
-            condition = and_(condition, or_(t.tick.is_(None), t.tick < tick))
-            values["tick"] = tick
+        params = self._params(name, p_holder=holder, p_micros=ttl // _MICRO, p_tick=tick)
+        statement = self._sql.claim_any if tick is None else self._sql.claim_tick
         try:
             with self.engine.connect() as connection:
+                result = connection.execute(statement, params)
                 if self._mysql:
-                    # MySQL has no UPDATE ... RETURNING; LAST_INSERT_ID(expr)
-                    # hands the new token back in the same reply.
-                    values["fencing_token"] = func.last_insert_id(t.fencing_token + 1)
-                    result = connection.execute(
-                        update(sweep_leases).where(condition).values(values)
-                    )
                     if result.rowcount == 1:
                         return Won(token=int(result.lastrowid), holder=holder, tick=tick)
                 else:
-                    values["fencing_token"] = t.fencing_token + 1
-                    token = connection.execute(
-                        update(sweep_leases)
-                        .where(condition)
-                        .values(values)
-                        .returning(t.fencing_token)
-                    ).scalar()
+                    token = result.scalar()
                     if token is not None:
                         return Won(token=int(token), holder=holder, tick=tick)
                 lost = self._explain(connection, name, tick)
@@ -148,17 +175,7 @@ class LeaseStore:
                 # duplicate key means another replica inserted it first, the
                 # one error that means "lost the race" and not "broken".
                 try:
-                    connection.execute(
-                        insert(sweep_leases).values(
-                            namespace=self.namespace,
-                            name=name,
-                            holder=holder,
-                            acquired_at=db_now(),
-                            expires_at=db_now_plus(micros),
-                            tick=tick,
-                            fencing_token=1,
-                        )
-                    )
+                    connection.execute(self._sql.insert, params)
                 except DBAPIError as error:
                     if not is_duplicate_key(error):
                         raise
@@ -171,10 +188,7 @@ class LeaseStore:
 
     def _explain(self, connection: Any, name: str, tick: datetime | None) -> Lost | None:
         """Why the UPDATE changed nothing, or None when there is no row yet."""
-        t = sweep_leases.c
-        row = connection.execute(
-            select(t.holder, t.expires_at, t.tick).where(self._key(name))
-        ).first()
+        row = connection.execute(self._sql.explain, self._params(name)).first()
         if row is None:
             return None
         if tick is not None and row.tick is not None and row.tick >= tick:
@@ -188,15 +202,10 @@ class LeaseStore:
         was claimed by another has an old token, and must not extend the
         new holder's lease.
         """
-        t = sweep_leases.c
+        params = self._params(name, p_holder=holder, p_token=token, p_micros=ttl // _MICRO)
         try:
             with self.engine.connect() as connection:
-                result = connection.execute(
-                    update(sweep_leases)
-                    .where(self._key(name), t.holder == holder, t.fencing_token == token)
-                    .values(expires_at=db_now_plus(ttl // _MICRO))
-                )
-                return bool(result.rowcount == 1)
+                return bool(connection.execute(self._sql.renew, params).rowcount == 1)
         except SQLAlchemyError as error:
             raise store_fault("lease renew", name, self.engine, error) from error
 
@@ -207,22 +216,17 @@ class LeaseStore:
         hide the caller's own, and the TTL frees the lease regardless.
         Returns False when nothing was released (taken over, or a fault).
         """
-        t = sweep_leases.c
+        params = self._params(name, p_holder=holder, p_token=token)
         try:
             with self.engine.connect() as connection:
-                result = connection.execute(
-                    update(sweep_leases)
-                    .where(self._key(name), t.holder == holder, t.fencing_token == token)
-                    .values(expires_at=db_now())
-                )
-                return bool(result.rowcount == 1)
+                return bool(connection.execute(self._sql.release, params).rowcount == 1)
         except SQLAlchemyError:
             return False
 
     def read(self, name: str) -> LeaseRow | None:
         try:
             with self.engine.connect() as connection:
-                row = connection.execute(select(sweep_leases).where(self._key(name))).first()
+                row = connection.execute(self._sql.read, self._params(name)).first()
         except SQLAlchemyError as error:
             raise store_fault("lease read", name, self.engine, error) from error
         return None if row is None else LeaseRow(**row._mapping)

@@ -9,12 +9,37 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from types import FrameType
 from typing import Any
 
 from sweepd.daemon import Daemon
 
 
-async def serve(daemon: Daemon, log: Any) -> int:
+class EarlySignals:
+    """Signals that arrive while the command is still starting (loading the
+    config, waiting for the migration lock), kept for the loop to act on.
+
+    Without this, a SIGHUP in those seconds would take the default action
+    and kill the process without a word.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous = {
+            sig: signal.signal(sig, self._keep)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        }
+
+    def _keep(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def restore(self) -> list[int]:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return self.received
+
+
+async def serve(daemon: Daemon, log: Any, early: EarlySignals | None = None) -> int:
     """Run the daemon with signal handlers installed; 0 after a clean drain."""
     loop = asyncio.get_running_loop()
     received: list[int] = []
@@ -37,6 +62,12 @@ async def serve(daemon: Daemon, log: Any) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_stop, signum)
     loop.add_signal_handler(signal.SIGHUP, on_reload)
+    # The loop's handlers replaced the early ones; act on what came before.
+    for early_signum in early.received if early is not None else []:
+        if early_signum == signal.SIGHUP:
+            on_reload()
+        else:
+            on_stop(early_signum)
     try:
         await daemon.run()
     finally:
