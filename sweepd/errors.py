@@ -60,7 +60,9 @@ class ConfigError(UsageError):
 class StoreError(SweepdError):
     """The lease store failed: the database could not be reached or refused the statement."""
 
-    def __init__(self, message: str, *, transient: bool) -> None:
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        # The default keeps it picklable (unpickling passes the message only),
+        # so it crosses process boundaries in pools and test workers intact.
         super().__init__(message)
         # Transient faults (a connection, a timeout) may pass by the next tick;
         # the others (a missing table, a wrong column) will not fix themselves.
