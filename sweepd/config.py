@@ -41,6 +41,7 @@ from sweepd.model import Database, Retries, Settings, SweepDef
 from sweepd.schedule import EPOCH, Cron, Every, Schedule
 
 DEFAULT_DATABASE_URL = "sqlite:///sweepd.db"
+RESERVED_PREFIX = "sweepd."  # sweepd.prune-history and any internal sweep to come
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _MODULE_PATTERN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _TARGET_PATTERN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -687,6 +688,11 @@ class _Resolver:
             else:
                 self.problems.append(Problem(where, spelled, message))
 
+        if name.startswith(RESERVED_PREFIX):
+            fail(
+                None,
+                f"sweep names starting with {RESERVED_PREFIX!r} are reserved for sweepd's own sweeps",
+            )
         schedule = self._schedule(name, fields, get, fail, defaults.timezone)
         func, target = self._callable(fields, fail)
         args = dict(get("args") or {})
