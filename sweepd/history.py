@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy import Engine, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import db_now, store_fault
+from sweepd.db.engine import db_now, retry_deadlocks, store_fault
 from sweepd.db.schema import ERROR_LENGTH, sweep_runs
 from sweepd.errors import StoreError
 
@@ -83,30 +83,39 @@ class History:
 
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended; only a row still ``running`` changes, so a row
-        already marked ``lost`` by the next holder keeps saying so."""
+        already marked ``lost`` by the next holder keeps saying so (and so a retry
+        after a deadlock is harmless)."""
+        statement = (
+            update(sweep_runs)
+            .where(sweep_runs.c.id == run_id, sweep_runs.c.status == "running")
+            .values(status=status, finished_at=db_now(), error=error)
+        )
         try:
-            with self.engine.connect() as connection:
-                connection.execute(
-                    update(sweep_runs)
-                    .where(sweep_runs.c.id == run_id, sweep_runs.c.status == "running")
-                    .values(status=status, finished_at=db_now(), error=error)
-                )
+            retry_deadlocks(lambda: self._execute(statement))
         except SQLAlchemyError as error_:
             raise store_fault("run finish", name, self.engine, error_) from error_
 
     def mark_lost(self, name: str, token: int) -> int:
         """Rows of ``name`` left ``running`` under an older token: their holder is gone."""
         c = sweep_runs.c
-        try:
+        stale = select(c.id).where(
+            c.namespace == self.namespace,
+            c.name == name,
+            c.status == "running",
+            c.fencing_token < token,
+        )
+
+        def mark() -> int:
+            # Ids first, then an UPDATE by primary key: an UPDATE searching by
+            # (namespace, status) would lock the index entries of every running
+            # sweep and deadlock with their own finish on MySQL.
             with self.engine.connect() as connection:
+                ids = list(connection.execute(stale).scalars())
+                if not ids:
+                    return 0
                 result = connection.execute(
                     update(sweep_runs)
-                    .where(
-                        c.namespace == self.namespace,
-                        c.name == name,
-                        c.status == "running",
-                        c.fencing_token < token,
-                    )
+                    .where(c.id.in_(ids), c.status == "running")
                     .values(
                         status="lost",
                         finished_at=db_now(),
@@ -114,8 +123,15 @@ class History:
                     )
                 )
                 return int(result.rowcount)
+
+        try:
+            return retry_deadlocks(mark)
         except SQLAlchemyError as error:
             raise store_fault("mark lost", name, self.engine, error) from error
+
+    def _execute(self, statement: Any) -> None:
+        with self.engine.connect() as connection:
+            connection.execute(statement)
 
     def prune(self, keep: timedelta) -> int:
         """Delete finished rows that started longer than ``keep`` ago (database clock)."""

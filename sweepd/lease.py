@@ -39,6 +39,9 @@ from sweepd.durations import parse_duration
 from sweepd.errors import StoreError, SweepdError
 
 _MICRO = timedelta(microseconds=1)
+# How early, by the database's clock, a replica may claim a tick: room for the
+# ordinary disagreement of NTP-synced hosts, not for a clock that is wrong.
+CLOCK_TOLERANCE = timedelta(seconds=1)
 
 
 def make_holder() -> str:
@@ -58,9 +61,11 @@ class Won:
 
 @dataclass(frozen=True)
 class Lost:
-    """Another holder has it (``lease_held``) or already claimed this tick (``already_run``)."""
+    """Another holder has it (``lease_held``), already claimed this tick (``already_run``),
+    or the tick is still in the future by the database's clock (``clock_skew``: this
+    replica's clock runs ahead, and claiming early would make the others skip it)."""
 
-    reason: Literal["lease_held", "already_run"]
+    reason: Literal["lease_held", "already_run", "clock_skew"]
     holder: str | None
     expires_at: datetime | None
     tick: datetime | None
@@ -100,6 +105,11 @@ class _Statements:
         # cannot both pass it: the database serialises the UPDATE and exactly
         # one sees a row changed.
         free = and_(key, t.expires_at <= db_now())
+        # A tick may be claimed at most CLOCK_TOLERANCE before it is due by the
+        # database's clock. Without this, a replica whose clock runs ahead
+        # claims tomorrow's ticks today, and every replica with a true clock
+        # then skips them as "already run".
+        due = tick <= db_now_plus(bindparam("p_tolerance", type_=BigInteger()))
         claimed = {
             "holder": bindparam("p_holder"),
             "acquired_at": db_now(),
@@ -108,13 +118,15 @@ class _Statements:
         }
         claim_tick = (
             update(sweep_leases)
-            .where(free, or_(t.tick.is_(None), t.tick < tick))
+            .where(free, due, or_(t.tick.is_(None), t.tick < tick))
             .values(tick=tick, **claimed)
         )
         claim_any = update(sweep_leases).where(free).values(**claimed)
         self.claim_tick = claim_tick if mysql else claim_tick.returning(t.fencing_token)
         self.claim_any = claim_any if mysql else claim_any.returning(t.fencing_token)
-        self.explain = select(t.holder, t.expires_at, t.tick).where(key)
+        early = tick > db_now_plus(bindparam("p_tolerance", type_=BigInteger()))
+        self.explain = select(t.holder, t.expires_at, t.tick, early.label("early")).where(key)
+        self.skewed = select(early)
         self.insert = insert(sweep_leases).values(
             namespace=bindparam("p_namespace"),
             name=bindparam("p_name"),
@@ -140,9 +152,15 @@ class LeaseStore:
     exception, and the TTL frees the lease anyway.
     """
 
-    def __init__(self, engine: Engine, namespace: str = "default") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        namespace: str = "default",
+        clock_tolerance: timedelta = CLOCK_TOLERANCE,
+    ) -> None:
         self.engine = engine
         self.namespace = namespace
+        self.clock_tolerance = clock_tolerance
         self._mysql = engine.dialect.name == "mysql"
         self._sql = _Statements(self._mysql)
 
@@ -156,7 +174,13 @@ class LeaseStore:
         the lease only prevents overlap, and the row's last tick is left as
         it was so the next scheduled tick is neither blocked nor shifted.
         """
-        params = self._params(name, p_holder=holder, p_micros=ttl // _MICRO, p_tick=tick)
+        params = self._params(
+            name,
+            p_holder=holder,
+            p_micros=ttl // _MICRO,
+            p_tick=tick,
+            p_tolerance=self.clock_tolerance // _MICRO,
+        )
         statement = self._sql.claim_any if tick is None else self._sql.claim_tick
         try:
             with self.engine.connect() as connection:
@@ -168,9 +192,11 @@ class LeaseStore:
                     token = result.scalar()
                     if token is not None:
                         return Won(token=int(token), holder=holder, tick=tick)
-                lost = self._explain(connection, name, tick)
+                lost = self._explain(connection, name, tick, params)
                 if lost is not None:
                     return lost
+                if tick is not None and connection.execute(self._sql.skewed, params).scalar():
+                    return Lost("clock_skew", None, None, tick)
                 # No row at all: this is the sweep's first claim ever. A
                 # duplicate key means another replica inserted it first, the
                 # one error that means "lost the race" and not "broken".
@@ -179,20 +205,24 @@ class LeaseStore:
                 except DBAPIError as error:
                     if not is_duplicate_key(error):
                         raise
-                    return self._explain(connection, name, tick) or Lost(
+                    return self._explain(connection, name, tick, params) or Lost(
                         "lease_held", None, None, None
                     )
                 return Won(token=1, holder=holder, tick=tick)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", name, self.engine, error) from error
 
-    def _explain(self, connection: Any, name: str, tick: datetime | None) -> Lost | None:
+    def _explain(
+        self, connection: Any, name: str, tick: datetime | None, params: dict[str, Any]
+    ) -> Lost | None:
         """Why the UPDATE changed nothing, or None when there is no row yet."""
-        row = connection.execute(self._sql.explain, self._params(name)).first()
+        row = connection.execute(self._sql.explain, params).first()
         if row is None:
             return None
         if tick is not None and row.tick is not None and row.tick >= tick:
             return Lost("already_run", row.holder, row.expires_at, row.tick)
+        if tick is not None and row.early:
+            return Lost("clock_skew", row.holder, row.expires_at, row.tick)
         return Lost("lease_held", row.holder, row.expires_at, row.tick)
 
     def renew(self, name: str, holder: str, token: int, ttl: timedelta) -> bool:

@@ -162,10 +162,19 @@ class Runner:
 
     def _skip(self, log: Any, reason: str, **fields: Any) -> str:
         self.stats[f"skipped.{reason}"] += 1
-        # Losing to another replica is the system working: quiet. The rest is news.
-        (log.debug if reason in ("lease_held", "already_run") else log.warning)(
-            "tick.skipped", reason=reason, **fields
-        )
+        # Losing to another replica is the system working: quiet. The rest is
+        # news, and a replica whose clock runs ahead of the database is a fault.
+        if reason in ("lease_held", "already_run"):
+            log.debug("tick.skipped", reason=reason, **fields)
+        elif reason == "clock_skew":
+            log.error(
+                "tick.skipped",
+                reason=reason,
+                note="this host's clock is ahead of the database's; fix its time sync",
+                **fields,
+            )
+        else:
+            log.warning("tick.skipped", reason=reason, **fields)
         return reason
 
     def _lateness(self, tick: datetime | None) -> float | None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -25,6 +26,7 @@ from sweepd.errors import StoreError, UsageError
 from sweepd.redact import mask_in, mask_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=5)
+T = TypeVar("T")
 
 # Bare schemes mean our drivers: psycopg 3 and PyMySQL, not SQLAlchemy's defaults.
 _DRIVERS = {
@@ -254,3 +256,24 @@ def store_fault(
             or type(error).__name__ in ("OperationalError", "InterfaceError")
         )
     return StoreError(message, transient=transient)
+
+
+def is_deadlock(error: DBAPIError) -> bool:
+    """A deadlock or lock-wait victim: the statement may simply be run again."""
+    orig = error.orig
+    if getattr(orig, "sqlstate", None) in ("40P01", "40001"):  # psycopg
+        return True
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and args[0] in (1213, 1205)  # MySQL deadlock, lock wait timeout
+
+
+def retry_deadlocks(call: Callable[[], T], attempts: int = 3) -> T:
+    """Run an idempotent statement again when the database picked it as a deadlock victim."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except DBAPIError as error:
+            if attempt == attempts or not is_deadlock(error):
+                raise
+            time.sleep(0.01 * attempt)
+    raise AssertionError("unreachable")

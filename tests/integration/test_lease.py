@@ -196,3 +196,20 @@ def test_leased_decorator_runs_only_the_winner(engine: Engine) -> None:
         assert asyncio.run(async_job()) is None
     assert asyncio.run(async_job()) == "async"
     assert calls == ["first"]
+
+
+def test_a_tick_still_in_the_future_is_refused_as_clock_skew(store: LeaseStore) -> None:
+    """A replica whose clock runs ahead must not claim ticks early, or the others skip them."""
+    now = store.now()
+    ahead = now + timedelta(minutes=30)
+    first = store.claim("skewed", "fast", TTL, ahead)  # no row yet: the INSERT path
+    assert isinstance(first, Lost)
+    assert first.reason == "clock_skew"
+    assert store.read("skewed") is None
+    assert isinstance(store.claim("purge", "a", TTL, now - timedelta(seconds=1)), Won)
+    store.release("purge", "a", 1)
+    again = store.claim("purge", "fast", TTL, ahead)  # row exists: the UPDATE path
+    assert isinstance(again, Lost)
+    assert again.reason == "clock_skew"
+    # Within the tolerance (one second early) is ordinary NTP disagreement: allowed.
+    assert isinstance(store.claim("purge", "a", TTL, now + timedelta(milliseconds=500)), Won)
