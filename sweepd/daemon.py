@@ -354,6 +354,14 @@ class Daemon:
             )
             if pending:
                 await self._cancel_in_flight(pending)
+        await self.runner.settle()
+        if self.runner.unfinished:
+            self.log.error(
+                "run.record_failed",
+                operation="finish",
+                count=len(self.runner.unfinished),
+                note="left running; the next claim of each sweep marks them lost",
+            )
         self.log.info("daemon.stopped", stats=dict(sorted(self.stats.items())))
 
     async def _cancel_in_flight(self, pending: set[asyncio.Task[None]]) -> None:

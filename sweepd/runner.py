@@ -94,6 +94,8 @@ class Runner:
         self.health = StoreHealth()
         self.inflight: dict[str, Attempt] = {}
         self.draining = False
+        self.unfinished: list[tuple[int, str, Status, str | None]] = []  # endings not yet written
+        self._probing: asyncio.Task[None] | None = None
 
     # -- one tick ----------------------------------------------------------------------
 
@@ -104,6 +106,8 @@ class Runner:
         log = self.log.bind(sweep=sweep.name, tick=iso(tick), holder=self.holder)
         if not self.health.healthy:
             return self._skip(log, "store_unavailable")
+        if self.unfinished:
+            await self.settle()
         try:
             outcome = await bounded(self.store.claim, sweep.name, self.holder, sweep.ttl, tick)
         except StoreError as error:
@@ -228,6 +232,7 @@ class Runner:
             log.error(
                 "run.record_failed", operation="finish", status=status, error=str(store_error)
             )
+            self.unfinished.append((run_id, sweep.name, status, message))
         self.stats[f"runs.{status}"] += 1
         fields = {"status": status, "duration": duration}
         if status == "success":
@@ -319,8 +324,7 @@ class Runner:
                 # claim nothing until the database answers.
                 if sent - last_ok >= 2 * interval:
                     self._lose(sweep, log, "unreachable")
-                    self.health.healthy = False
-                    self.health.changed.set()
+                    self._unhealthy()
                     return
                 continue
             if not renewed:
@@ -333,8 +337,14 @@ class Runner:
         log.error("lease.lost", reason=why)
         self.stop(sweep.name, "lost")
 
-    async def probe(self) -> None:
-        """Wait until the database answers again, then let claims resume."""
+    def _unhealthy(self) -> None:
+        """Claim nothing until a probe reaches the database again."""
+        self.health.healthy = False
+        self.health.changed.set()
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.create_task(self._probe(), name="store-probe")
+
+    async def _probe(self) -> None:
         while not self.health.healthy:
             try:
                 await bounded(self.store.now)
@@ -343,7 +353,24 @@ class Runner:
                 await self.clock.sleep(1.0)
                 continue
             self.health.healthy = True
+            self.health.changed.set()
             self.log.info("store.available")
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Write the endings that could not be written when the runs ended.
+
+        A run that ended during an outage must not stay ``running`` in the
+        history until the next claim of its sweep happens to mark it lost.
+        """
+        for ending in list(self.unfinished):
+            run_id, name, status, message = ending
+            try:
+                await bounded(self.history.finish, run_id, name, status, message)
+            except StoreError:
+                return  # still down: the next settle tries again
+            self.unfinished.remove(ending)
+            self.log.info("run.recorded_late", sweep=name, run_id=run_id, status=status)
 
 
 def _start_thread(

@@ -1,0 +1,437 @@
+"""The database goes away for 10 s under two `sweepd run` replicas, then comes back (SPEC §1, §6).
+
+The shared servers cannot be stopped, so the outage is a TCP proxy between the replicas and the
+server: stopping it closes every proxied connection and refuses new ones, as a stopped server
+does. One sweep is in flight when the database goes: its renewals fail, the runner tells it the
+lease is lost and the replica claims nothing until the database answers again.
+
+What must hold: no replica dies, both say loudly that something is wrong, runs resume once the
+database is back (on every replica), no tick runs twice, no sweep overlaps itself, and every
+``sweep_runs`` row says how its run ended. SQLite is left out: a file has no server to stop.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import suppress
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import Replica, overlaps, read_rows, read_runs, stop_all, sweep, write_config
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from sweepd.db import migrate
+from sweepd.db.engine import make_engine
+
+pytestmark = pytest.mark.slow
+
+Event = dict[str, Any]
+MakeDatabase = Callable[[str], str]
+
+# SQLite is not here: the outage is played by a proxy in front of a server, and a file has none.
+SERVER_DIALECTS = ["postgresql", "mariadb"]
+DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306}
+FAST = ("fast-a", "fast-b", "fast-c")
+LONG = "long"
+LONG_SECONDS = 6.0  # the long sweep's run, every 10 s with a 3 s ttl: renewals every second
+BEFORE = 1.5  # seconds into the long run when the database goes: one renewal has got through
+OUTAGE = 10.0
+AFTER = 8.0  # seconds the replicas run once the database is back, before SIGTERM
+# Seconds after the database returns by which every replica must claim again: time for the
+# replica's once-a-second probe to get through, a new pooled connection and the next tick.
+RECOVERY = 4.0
+TIMEOUT = 30.0  # bounds every wait on a process
+STOP_BOUND = 8.0  # seconds both replicas may take to drain and exit after SIGTERM
+LOUD = {"lease.error", "lease.lost", "store.unavailable"}
+TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}
+
+
+# -- the outage: a TCP proxy ---------------------------------------------------------------
+
+
+def _close(sock: socket.socket) -> None:
+    # shutdown() first: it wakes a thread blocked in recv() or accept() on this socket,
+    # which close() alone does not do on Linux.
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _unused_port() -> int:
+    """A free port below the ephemeral range, so no outgoing connection takes it while the
+    proxy is stopped and start() can bind it again."""
+    low = 32768
+    with suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:port to a server; stop() is the server going down, start() it
+    coming back on the same port."""
+
+    def __init__(self, upstream: tuple[str, int], port: int) -> None:
+        self.upstream = upstream
+        self.port = port
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._sockets: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # The proxied connections closed by stop() linger in TIME_WAIT on this port.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(32)
+        with self._lock:
+            self._listener = listener
+        self._spawn(self._accept, listener)
+
+    def stop(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            sockets, self._sockets = self._sockets, set()
+            threads, self._threads = self._threads, []
+        if listener is not None:
+            _close(listener)
+        for sock in sockets:
+            _close(sock)
+        for thread in threads:
+            thread.join(5)
+        assert not any(thread.is_alive() for thread in threads), "a proxy thread did not stop"
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name="test-proxy", daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                _close(client)
+                continue
+            server.settimeout(None)
+            with self._lock:
+                # A connection accepted while stop() ran must not outlive it.
+                alive = self._listener is listener
+                if alive:
+                    self._sockets.update((client, server))
+            if not alive:
+                _close(client)
+                _close(server)
+                return
+            self._spawn(self._pump, client, server)
+            self._spawn(self._pump, server, client)
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(source)
+            _close(sink)
+
+
+# -- the rig --------------------------------------------------------------------------------
+
+
+class Rig:
+    """A fresh database behind a proxy, and the replicas using it; none outlives the test."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url = url
+        self.tmp = tmp
+        parsed = make_url(url)
+        upstream = (
+            parsed.host or "127.0.0.1",
+            parsed.port or DEFAULT_PORTS[parsed.get_backend_name()],
+        )
+        self.proxy = TcpProxy(upstream, _unused_port())
+        self.proxy.start()
+        self.proxied = parsed.set(host="127.0.0.1", port=self.proxy.port).render_as_string(
+            hide_password=False
+        )
+        self.replicas: list[Replica] = []
+
+    def start(self, config: Path, count: int) -> None:
+        """Like ``start_replicas``, but every process is kept for close() even if one fails."""
+        for i in range(count):
+            replica = Replica(config, self.tmp / f"replica-{i}.log")
+            self.replicas.append(replica)
+            replica.start()
+        for replica in self.replicas:
+            replica.wait_for(lambda e: e.get("event") == "daemon.started", timeout=TIMEOUT)
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.kill()
+        self.proxy.stop()
+        if make_url(self.url).get_backend_name() == "postgresql":
+            _wait_for_backends_gone(self.url)
+
+
+def _wait_for_backends_gone(url: str, timeout: float = 10.0) -> None:
+    """An exited replica's PostgreSQL backends end a moment after its sockets close;
+    wait for that so the fixture's leak check sees only real leaks."""
+    engine = make_engine(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with engine.connect() as connection:
+                others = connection.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                ).scalar_one()
+            if others == 0:
+                return
+            time.sleep(0.1)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=SERVER_DIALECTS)
+def rig(
+    request: pytest.FixtureRequest, make_database: MakeDatabase, tmp_path: Path
+) -> Iterator[Rig]:
+    # Asking for make_database orders this teardown before its own, which asserts that no
+    # PostgreSQL connection is left open.
+    url = make_database(str(request.param))
+    # The schema is made on the server itself: the replicas find it current.
+    migrate.upgrade(url)
+    found = Rig(url, tmp_path)
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+# -- reading what happened ------------------------------------------------------------------
+
+
+def seconds(value: str | datetime) -> float:
+    """Unix seconds of an ISO text (``Z`` or ``+00:00``) or an aware datetime."""
+    instant = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    assert instant.tzinfo is not None, value
+    return instant.astimezone(UTC).timestamp()
+
+
+def stamp(event: Event) -> float:
+    return seconds(str(event["timestamp"]))
+
+
+def of(events: list[Event], name: str, **fields: Any) -> list[Event]:
+    return [
+        e
+        for e in events
+        if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
+    ]
+
+
+def between(events: list[Event], begin: float, end: float) -> list[Event]:
+    return [e for e in events if "timestamp" in e and begin <= stamp(e) <= end]
+
+
+def iso_z(instant: float) -> str:
+    return datetime.fromtimestamp(instant, UTC).isoformat().replace("+00:00", "Z")
+
+
+def sleep_until(instant: float) -> None:
+    time.sleep(max(0.0, instant - time.time()))
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def describe(
+    i: int, log: list[Event], holder: str, runs: list[Event], down_at: float, up_at: float
+) -> str:
+    """What one replica said while the database was gone, and how it did once it was back."""
+    said = Counter(
+        f"{e['event']}/{e['level']}" + (f"({e['reason']})" if "reason" in e else "")
+        for e in between(log, down_at, up_at)
+        if e.get("level") != "debug"
+    )
+    claims = [stamp(e) - up_at for e in of(log, "tick.claimed") if stamp(e) > up_at]
+    started = sorted(
+        r["at"] - up_at
+        for r in runs
+        if r["event"] == "start" and r["holder"] == holder and r["at"] > up_at
+    )
+    refused = [
+        stamp(e) - up_at
+        for e in of(log, "tick.skipped", reason="store_unavailable")
+        if stamp(e) > up_at
+    ]
+    after = (
+        f"first claim +{claims[0]:.2f}s, first run +{started[0]:.2f}s, {len(started)} runs"
+        if claims and started
+        else "no claim, no run"
+    )
+    if refused:
+        after += f"; skipped store_unavailable {len(refused)}x, the last at +{refused[-1]:.1f}s"
+    return f"  replica {i} {holder}:\n    during the outage: {dict(sorted(said.items()))}\n    after: {after}"
+
+
+# -- the test --------------------------------------------------------------------------------
+
+
+def test_a_ten_second_outage_under_two_replicas(rig: Rig, tmp_path: Path) -> None:
+    out = tmp_path / "runs.jsonl"
+    backend = make_url(rig.url).get_backend_name()
+    # The long sweep's first tick a few seconds from now, once both replicas are up: its
+    # run is then in flight when the database goes.
+    anchor = math.ceil(time.time()) + 4
+    config = write_config(
+        tmp_path / "sweepd.yaml",
+        rig.proxied,
+        [
+            *(sweep(name, out) for name in FAST),
+            sweep(
+                LONG,
+                out,
+                every="10s",
+                ttl="3s",
+                anchor=iso_z(anchor),
+                args={"duration": LONG_SECONDS},
+            ),
+        ],
+        # Room for every sweep at once: a fast tick never waits behind the long run.
+        concurrency=8,
+    )
+    rig.start(config, 2)
+
+    deadline = time.monotonic() + 20
+    started: Event | None = None
+    while started is None:
+        for replica in rig.replicas:
+            started = started or next(iter(of(replica.events(), "run.started", sweep=LONG)), None)
+        assert time.monotonic() < deadline, "the long sweep never started"
+        time.sleep(0.05)
+
+    sleep_until(stamp(started) + BEFORE)
+    down_at = time.time()
+    rig.proxy.stop()
+    sleep_until(down_at + OUTAGE)
+    rig.proxy.start()
+    up_at = time.time()
+    sleep_until(up_at + AFTER)
+
+    alive = [r.process is not None and r.process.poll() is None for r in rig.replicas]
+    assert alive == [True, True], f"a replica died: {alive}"
+    began = time.monotonic()
+    codes = stop_all(rig.replicas, signal.SIGTERM, timeout=TIMEOUT)
+    took = time.monotonic() - began
+    events = [replica.events() for replica in rig.replicas]
+    holders = [str(of(log, "daemon.started")[0]["holder"]) for log in events]
+    runs, rows = read_runs(out), read_rows(rig.url)
+    left_running = [r for r in rows if r["status"] not in TERMINAL]
+    resumed = sorted(r["at"] - up_at for r in runs if r["event"] == "start" and r["at"] > up_at)
+    report = [
+        f"[{backend}] database gone {OUTAGE:.0f}s from {iso_z(down_at)};"
+        f" the long run held by {started['holder']}",
+        *(describe(i, log, holders[i], runs, down_at, up_at) for i, log in enumerate(events)),
+        "  first run after the database came back: "
+        + (f"+{resumed[0]:.2f}s" if resumed else "none"),
+        f"  rows not terminal: {[(r['name'], r['status'], str(r['tick'])) for r in left_running]}",
+    ]
+    print("\n" + "\n".join(report))
+
+    # -- no crash ---------------------------------------------------------------------------
+    assert codes == [0, 0], codes
+    assert took < STOP_BOUND, f"replicas took {took:.1f}s to drain and exit"
+    for log in events:
+        raw = [e["line"] for e in log if e.get("event") == "raw"]
+        assert not raw, f"non-JSON output (a traceback?) from a replica: {raw[:5]}"
+        assert not of(log, "daemon.flight_crashed"), of(log, "daemon.flight_crashed")
+        assert of(log, "daemon.stopped"), log[-5:]
+
+    # -- loud while the database is gone -----------------------------------------------------
+    for i, log in enumerate(events):
+        loud = [e for e in between(log, down_at, up_at) if e.get("event") in LOUD]
+        assert any(e["level"] == "error" for e in loud), f"replica {i} was quiet: {loud[:3]}"
+    # The run in flight was told at its second missed renewal, and did not run to its end.
+    long_log = events[holders.index(str(started["holder"]))]
+    lost = of(between(long_log, down_at, up_at), "lease.lost", sweep=LONG)
+    assert [(e["level"], e["reason"]) for e in lost] == [("error", "unreachable")], lost
+    told = [r for r in runs if r["sweep"] == LONG and r["event"] == "stopped"]
+    assert len(told) == 1 and told[0]["lease_lost"], told
+    assert down_at < told[0]["at"] < down_at + 4.0, (down_at, told)
+    assert not [r for r in runs if r["sweep"] == LONG and r["event"] == "end"]
+
+    # -- runs resume -------------------------------------------------------------------------
+    for name in FAST:
+        ticks = [
+            r
+            for r in runs
+            if r["sweep"] == name and r["event"] == "start" and seconds(r["tick"]) > up_at
+        ]
+        assert ticks, f"{name}: no run for a tick after the database came back"
+    # And on every replica: each reaches the database again (it claims, or loses races
+    # quietly); none goes on refusing to claim once a probe could have got through.
+    settled = up_at + RECOVERY
+    for i, log in enumerate(events):
+        fast = [
+            e
+            for e in log
+            if e.get("sweep") in FAST and e.get("tick") and seconds(e["tick"]) > settled
+        ]
+        reached = [
+            e
+            for e in fast
+            if e["event"] == "tick.claimed"
+            or (e["event"] == "tick.skipped" and e["reason"] in ("lease_held", "already_run"))
+        ]
+        refused = of(fast, "tick.skipped", reason="store_unavailable")
+        assert reached and not refused, (
+            f"replica {i} still refuses to claim {RECOVERY:.0f}s after the database came back:"
+            f" {len(refused)} store_unavailable skips, the last {refused[-1:]}"
+        )
+
+    # -- each tick at most once, never overlapping -------------------------------------------
+    starts = Counter((r["sweep"], seconds(r["tick"])) for r in runs if r["event"] == "start")
+    twice = {key: n for key, n in starts.items() if n > 1}
+    assert not twice, f"ticks started more than once: {twice}"
+    assert overlaps(runs) == []
+    # No run without its row: the row is written before the sweep's code is called.
+    recorded = {(r["name"], seconds(r["tick"]), r["fencing_token"]) for r in rows}
+    unrecorded = [
+        r
+        for r in runs
+        if r["event"] == "start" and (r["sweep"], seconds(r["tick"]), r["token"]) not in recorded
+    ]
+    assert not unrecorded, unrecorded
+
+    # -- every row says how its run ended -----------------------------------------------------
+    assert not left_running, "rows still 'running' after both replicas drained: " + str(
+        [(r["name"], str(r["tick"]), r["holder"], r["fencing_token"]) for r in left_running]
+    )
