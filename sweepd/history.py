@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Literal
 
-from sqlalchemy import Engine, delete, insert, select, update
+from sqlalchemy import Engine, bindparam, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from sweepd.db.engine import db_now, retry_deadlocks, store_fault
-from sweepd.db.schema import ERROR_LENGTH, sweep_runs
+from sweepd.db.schema import ERROR_LENGTH, UtcDateTime, sweep_runs
 from sweepd.errors import StoreError
 
 Status = Literal["running", "success", "failed", "timeout", "cancelled", "lost"]
@@ -46,6 +46,50 @@ def describe_error(error: BaseException) -> str:
     return text if len(text) <= ERROR_LENGTH else text[: ERROR_LENGTH - 1] + "…"
 
 
+class _Statements:
+    """The run-row statements of the hot path, built once with bind parameters:
+    building a Core statement per call costs more CPU than its round trip."""
+
+    def __init__(self) -> None:
+        c = sweep_runs.c
+        self.start = insert(sweep_runs).values(
+            namespace=bindparam("p_namespace"),
+            name=bindparam("p_name"),
+            tick=bindparam("p_tick", type_=UtcDateTime()),
+            holder=bindparam("p_holder"),
+            fencing_token=bindparam("p_token"),
+            attempt=bindparam("p_attempt"),
+            trigger=bindparam("p_trigger"),
+            started_at=db_now(),
+            status="running",
+        )
+        # Only a row still running changes: a row the next holder already
+        # marked lost keeps saying so, and a retry after a deadlock is harmless.
+        self.finish = (
+            update(sweep_runs)
+            .where(c.id == bindparam("p_id"), c.status == "running")
+            .values(status=bindparam("p_status"), finished_at=db_now(), error=bindparam("p_error"))
+        )
+        self.stale = select(c.id).where(
+            c.namespace == bindparam("p_namespace"),
+            c.name == bindparam("p_name"),
+            c.status == "running",
+            c.fencing_token < bindparam("p_token"),
+        )
+        self.mark_lost = (
+            update(sweep_runs)
+            .where(c.id.in_(bindparam("p_ids", expanding=True)), c.status == "running")
+            .values(
+                status="lost",
+                finished_at=db_now(),
+                error="the replica running it stopped heartbeating",
+            )
+        )
+
+
+_SQL = _Statements()
+
+
 class History:
     def __init__(self, engine: Engine, namespace: str) -> None:
         self.engine = engine
@@ -60,78 +104,56 @@ class History:
         attempt: int,
         trigger: Trigger,
     ) -> int:
+        params = {
+            "p_namespace": self.namespace,
+            "p_name": name,
+            "p_tick": tick,
+            "p_holder": holder,
+            "p_token": token,
+            "p_attempt": attempt,
+            "p_trigger": trigger,
+        }
         try:
             with self.engine.connect() as connection:
-                result = connection.execute(
-                    insert(sweep_runs).values(
-                        namespace=self.namespace,
-                        name=name,
-                        tick=tick,
-                        holder=holder,
-                        fencing_token=token,
-                        attempt=attempt,
-                        trigger=trigger,
-                        started_at=db_now(),
-                        status="running",
-                    )
-                )
-                key = result.inserted_primary_key
+                key = connection.execute(_SQL.start, params).inserted_primary_key
                 assert key is not None
                 return int(key[0])
         except SQLAlchemyError as error:
             raise store_fault("run start", name, self.engine, error) from error
 
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
-        """Record how the run ended; only a row still ``running`` changes, so a row
-        already marked ``lost`` by the next holder keeps saying so (and so a retry
-        after a deadlock is harmless)."""
-        statement = (
-            update(sweep_runs)
-            .where(sweep_runs.c.id == run_id, sweep_runs.c.status == "running")
-            .values(status=status, finished_at=db_now(), error=error)
-        )
+        """Record how the run ended (only while the row still says ``running``)."""
+        params = {"p_id": run_id, "p_status": status, "p_error": error}
+
+        def write() -> None:
+            with self.engine.connect() as connection:
+                connection.execute(_SQL.finish, params)
+
         try:
-            retry_deadlocks(lambda: self._execute(statement))
+            retry_deadlocks(write)
         except SQLAlchemyError as error_:
             raise store_fault("run finish", name, self.engine, error_) from error_
 
     def mark_lost(self, name: str, token: int) -> int:
         """Rows of ``name`` left ``running`` under an older token: their holder is gone."""
-        c = sweep_runs.c
-        stale = select(c.id).where(
-            c.namespace == self.namespace,
-            c.name == name,
-            c.status == "running",
-            c.fencing_token < token,
-        )
 
         def mark() -> int:
             # Ids first, then an UPDATE by primary key: an UPDATE searching by
             # (namespace, status) would lock the index entries of every running
             # sweep and deadlock with their own finish on MySQL.
             with self.engine.connect() as connection:
-                ids = list(connection.execute(stale).scalars())
+                found = connection.execute(
+                    _SQL.stale, {"p_namespace": self.namespace, "p_name": name, "p_token": token}
+                )
+                ids = list(found.scalars())
                 if not ids:
                     return 0
-                result = connection.execute(
-                    update(sweep_runs)
-                    .where(c.id.in_(ids), c.status == "running")
-                    .values(
-                        status="lost",
-                        finished_at=db_now(),
-                        error="the replica running it stopped heartbeating",
-                    )
-                )
-                return int(result.rowcount)
+                return int(connection.execute(_SQL.mark_lost, {"p_ids": ids}).rowcount)
 
         try:
             return retry_deadlocks(mark)
         except SQLAlchemyError as error:
             raise store_fault("mark lost", name, self.engine, error) from error
-
-    def _execute(self, statement: Any) -> None:
-        with self.engine.connect() as connection:
-            connection.execute(statement)
 
     def prune(self, keep: timedelta) -> int:
         """Delete finished rows that started longer than ``keep`` ago (database clock)."""
