@@ -1,4 +1,4 @@
-"""Real databases for the tests: a SQLite file, PostgreSQL and MariaDB.
+"""Real databases for the tests (a SQLite file, PostgreSQL and MariaDB), and the clock shim.
 
 Each test that asks for ``database_url`` gets a database of its own, created
 for it and dropped after, so no test sees another's leases. A server that is
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +28,7 @@ SERVERS = {
     "mariadb": os.environ.get("SWEEPD_TEST_MARIADB", "mysql+pymysql://root@127.0.0.1:3306/test"),
 }
 DIALECTS = ["sqlite", "postgresql", "mariadb"]
+SHIM_SOURCE = Path(__file__).parent / "system" / "fakeclock.c"
 
 
 def _server_or_skip(dialect: str) -> str:
@@ -89,3 +92,21 @@ def dialect(request: pytest.FixtureRequest) -> str:
 def database_url(dialect: str, make_database: Callable[[str], str]) -> str:
     """A fresh, empty database of each dialect in turn."""
     return make_database(dialect)
+
+
+@pytest.fixture(scope="session")
+def fakeclock(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fakeclock LD_PRELOAD shim, compiled once; CI must have gcc, so there a miss fails."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        reason = "gcc is needed to build the fakeclock LD_PRELOAD shim"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    library = tmp_path_factory.mktemp("fakeclock") / "fakeclock.so"
+    # -Werror: a warning in a clock shim is a bug we want to see, not ignore.
+    flags = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"]
+    subprocess.run(
+        [gcc, *flags, "-o", str(library), str(SHIM_SOURCE), "-ldl"], check=True, timeout=60
+    )
+    return library

@@ -15,7 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select, update
 from sqlalchemy.engine import make_url
+from tcp_proxy import TcpProxy, proxy_for
 
 from sweepd.db import migrate
 from sweepd.db.engine import make_engine
@@ -43,105 +44,10 @@ NAMESPACE = "faults"
 NAME = "nightly-export"
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SERVER_DIALECTS = ["postgresql", "mariadb"]
-DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306}
 
 
 def tick(n: int) -> datetime:
     return T0 + timedelta(hours=n)
-
-
-def _close(sock: socket.socket) -> None:
-    # shutdown() first: it wakes a thread blocked in recv() or accept() on this socket,
-    # which close() alone does not do on Linux.
-    with suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
-class TcpProxy:
-    """Forwards 127.0.0.1:port to a server; stop() is the server going down, start() it coming back.
-
-    ``freeze()`` is a server that stops answering without closing anything (a hung or
-    partitioned host): bytes are read and dropped in both directions.
-    """
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.port = 0  # chosen by the first start(), then kept so the URL stays valid
-        self._frozen = threading.Event()
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._sockets: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # The proxied connections closed by stop() linger in TIME_WAIT on this port.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(16)
-        self.port = listener.getsockname()[1]
-        self._frozen.clear()
-        with self._lock:
-            self._listener = listener
-        self._spawn(self._accept, listener)
-
-    def freeze(self) -> None:
-        self._frozen.set()
-
-    def stop(self) -> None:
-        with self._lock:
-            listener, self._listener = self._listener, None
-            sockets, self._sockets = self._sockets, set()
-            threads, self._threads = self._threads, []
-        if listener is not None:
-            _close(listener)
-        for sock in sockets:
-            _close(sock)
-        for thread in threads:
-            thread.join(5)
-        assert not any(thread.is_alive() for thread in threads), "a proxy thread did not stop"
-
-    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name="test-proxy", daemon=True)
-        with self._lock:
-            self._threads.append(thread)
-        thread.start()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
-                _close(client)
-                continue
-            server.settimeout(None)
-            with self._lock:
-                # A connection accepted while stop() ran must not outlive it.
-                alive = self._listener is listener
-                if alive:
-                    self._sockets.update((client, server))
-            if not alive:
-                _close(client)
-                _close(server)
-                return
-            self._spawn(self._pump, client, server)
-            self._spawn(self._pump, server, client)
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                if not self._frozen.is_set():
-                    sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            _close(source)
-            _close(sink)
 
 
 class RecordingStore(LeaseStore):
@@ -182,13 +88,9 @@ class Rig:
 
     def proxy(self, url: str) -> tuple[TcpProxy, str]:
         """A started proxy to the server of ``url``, and the same URL pointed at the proxy."""
-        parsed = make_url(url)
-        port = parsed.port or DEFAULT_PORTS[parsed.get_backend_name()]
-        proxy = TcpProxy((parsed.host or "127.0.0.1", port))
-        proxy.start()
+        proxy, proxied = proxy_for(url)
         self.stack.callback(proxy.stop)
-        proxied = parsed.set(host="127.0.0.1", port=proxy.port)
-        return proxy, proxied.render_as_string(hide_password=False)
+        return proxy, proxied
 
     def heartbeat(self, heartbeat: Heartbeat) -> Heartbeat:
         self.stack.callback(heartbeat.stop)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -31,7 +30,6 @@ pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("race_worker.py")
-SHIM_SOURCE = REPO_ROOT / "tests" / "system" / "fakeclock.c"
 TICKS = 200
 T0 = datetime(2026, 1, 1, tzinfo=UTC)  # the racers' first tick; tick k is T0 + k seconds
 # Wall-clock offsets of the racers, in seconds: up to ten minutes either way.
@@ -40,24 +38,6 @@ READY_TIMEOUT = 60.0  # seconds for every racer to import, connect and report re
 WORKER_TIMEOUT = 90.0  # seconds for the race itself, all racers together
 START_DELAY = 0.3  # seconds from the start signal to the start instant, for all to see it
 OFFSET_SLACK = 5.0  # seconds of error allowed when measuring a racer's offset
-
-
-@pytest.fixture(scope="module")
-def fakeclock(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Compile the shim once for this module; CI must have gcc, so there a miss is a failure."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        reason = "gcc is needed to build the fakeclock LD_PRELOAD shim"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    library = tmp_path_factory.mktemp("fakeclock") / "fakeclock.so"
-    # -Werror: a warning in a clock shim is a bug to see, not to ship.
-    flags = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"]
-    subprocess.run(
-        [gcc, *flags, "-o", str(library), str(SHIM_SOURCE), "-ldl"], check=True, timeout=60
-    )
-    return library
 
 
 def start_racer(

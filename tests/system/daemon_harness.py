@@ -17,11 +17,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
-from sqlalchemy import select
+from sqlalchemy import select, text
+from sqlalchemy.engine import make_url
 
 from sweepd.db.engine import make_engine
 from sweepd.db.schema import sweep_runs
@@ -175,6 +177,27 @@ def overlaps(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str,
     return found
 
 
+def seconds(value: str | datetime) -> float:
+    """Unix seconds of an ISO text (``Z`` or ``+00:00``) or an aware datetime."""
+    instant = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    assert instant.tzinfo is not None, value
+    return instant.astimezone(UTC).timestamp()
+
+
+def stamp(event: dict[str, Any]) -> float:
+    """Unix seconds of a log event's ``timestamp``."""
+    return seconds(str(event["timestamp"]))
+
+
+def of(events: list[dict[str, Any]], name: str, **fields: Any) -> list[dict[str, Any]]:
+    """The events named ``name`` whose fields include ``fields``."""
+    return [
+        e
+        for e in events
+        if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
+    ]
+
+
 def stop_all(
     replicas: Iterable[Replica], signum: int = signal.SIGTERM, timeout: float = 30.0
 ) -> list[int]:
@@ -183,3 +206,67 @@ def stop_all(
         if replica.process is not None and replica.process.poll() is None:
             replica.signal(signum)
     return [replica.wait(timeout) for replica in replicas]
+
+
+class Cluster:
+    """Replicas started for one test on one database; close() ends every one, none outlives it."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url = url
+        self.tmp = tmp
+        self.replicas: list[Replica] = []
+
+    def start(
+        self,
+        config: Path,
+        count: int = 1,
+        env: list[dict[str, str]] | None = None,
+        timeout: float = 30.0,
+    ) -> list[Replica]:
+        """Like ``start_replicas``, but every process is kept for close() even if one fails."""
+        envs = env if env is not None else [{} for _ in range(count)]
+        started = []
+        for i in range(count):
+            replica = Replica(config, self.tmp / f"replica-{len(self.replicas)}.log", envs[i])
+            self.replicas.append(replica)
+            started.append(replica.start())
+        for replica in started:
+            replica.wait_for(lambda e: e.get("event") == "daemon.started", timeout=timeout)
+        return started
+
+    def stop(self, timeout: float = 30.0) -> tuple[float, list[int], float]:
+        """SIGTERM every replica; (time of the first signal, exit statuses, seconds taken)."""
+        signalled = time.time()
+        began = time.monotonic()
+        codes = stop_all(self.replicas, signal.SIGTERM, timeout=timeout)
+        return signalled, codes, time.monotonic() - began
+
+    def events(self) -> list[list[dict[str, Any]]]:
+        return [replica.events() for replica in self.replicas]
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.kill()
+        if make_url(self.url).get_backend_name() == "postgresql":
+            wait_for_backends_gone(self.url)
+
+
+def wait_for_backends_gone(url: str, timeout: float = 10.0) -> None:
+    """An exited replica's PostgreSQL backends end a moment after its sockets close;
+    wait for that so the fixture's leak check sees only real leaks."""
+    engine = make_engine(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with engine.connect() as connection:
+                others = connection.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                ).scalar_one()
+            if others == 0:
+                return
+            time.sleep(0.1)
+    finally:
+        engine.dispose()

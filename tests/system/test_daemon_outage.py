@@ -13,25 +13,32 @@ database is back (on every replica), no tick runs twice, no sweep overlaps itsel
 from __future__ import annotations
 
 import math
-import random
 import signal
-import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import Replica, overlaps, read_rows, read_runs, stop_all, sweep, write_config
-from sqlalchemy import text
+from daemon_harness import (
+    Cluster,
+    of,
+    overlaps,
+    read_rows,
+    read_runs,
+    seconds,
+    stamp,
+    stop_all,
+    sweep,
+    wait_for_backends_gone,
+    write_config,
+)
 from sqlalchemy.engine import make_url
+from tcp_proxy import port_below_ephemeral, proxy_for
 
 from sweepd.db import migrate
-from sweepd.db.engine import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +47,6 @@ MakeDatabase = Callable[[str], str]
 
 # SQLite is not here: the outage is played by a proxy in front of a server, and a file has none.
 SERVER_DIALECTS = ["postgresql", "mariadb"]
-DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306}
 FAST = ("fast-a", "fast-b", "fast-c")
 LONG = "long"
 LONG_SECONDS = 6.0  # the long sweep's run, every 10 s with a 3 s ttl: renewals every second
@@ -56,167 +62,23 @@ LOUD = {"lease.error", "lease.lost", "store.unavailable"}
 TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}
 
 
-# -- the outage: a TCP proxy ---------------------------------------------------------------
-
-
-def _close(sock: socket.socket) -> None:
-    # shutdown() first: it wakes a thread blocked in recv() or accept() on this socket,
-    # which close() alone does not do on Linux.
-    with suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
-def _unused_port() -> int:
-    """A free port below the ephemeral range, so no outgoing connection takes it while the
-    proxy is stopped and start() can bind it again."""
-    low = 32768
-    with suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(100):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no free port below the ephemeral range")
-
-
-class TcpProxy:
-    """Forwards 127.0.0.1:port to a server; stop() is the server going down, start() it
-    coming back on the same port."""
-
-    def __init__(self, upstream: tuple[str, int], port: int) -> None:
-        self.upstream = upstream
-        self.port = port
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._sockets: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # The proxied connections closed by stop() linger in TIME_WAIT on this port.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(32)
-        with self._lock:
-            self._listener = listener
-        self._spawn(self._accept, listener)
-
-    def stop(self) -> None:
-        with self._lock:
-            listener, self._listener = self._listener, None
-            sockets, self._sockets = self._sockets, set()
-            threads, self._threads = self._threads, []
-        if listener is not None:
-            _close(listener)
-        for sock in sockets:
-            _close(sock)
-        for thread in threads:
-            thread.join(5)
-        assert not any(thread.is_alive() for thread in threads), "a proxy thread did not stop"
-
-    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name="test-proxy", daemon=True)
-        with self._lock:
-            self._threads.append(thread)
-        thread.start()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
-                _close(client)
-                continue
-            server.settimeout(None)
-            with self._lock:
-                # A connection accepted while stop() ran must not outlive it.
-                alive = self._listener is listener
-                if alive:
-                    self._sockets.update((client, server))
-            if not alive:
-                _close(client)
-                _close(server)
-                return
-            self._spawn(self._pump, client, server)
-            self._spawn(self._pump, server, client)
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            _close(source)
-            _close(sink)
-
-
 # -- the rig --------------------------------------------------------------------------------
 
 
-class Rig:
+class Rig(Cluster):
     """A fresh database behind a proxy, and the replicas using it; none outlives the test."""
 
     def __init__(self, url: str, tmp: Path) -> None:
-        self.url = url
-        self.tmp = tmp
-        parsed = make_url(url)
-        upstream = (
-            parsed.host or "127.0.0.1",
-            parsed.port or DEFAULT_PORTS[parsed.get_backend_name()],
-        )
-        self.proxy = TcpProxy(upstream, _unused_port())
-        self.proxy.start()
-        self.proxied = parsed.set(host="127.0.0.1", port=self.proxy.port).render_as_string(
-            hide_password=False
-        )
-        self.replicas: list[Replica] = []
-
-    def start(self, config: Path, count: int) -> None:
-        """Like ``start_replicas``, but every process is kept for close() even if one fails."""
-        for i in range(count):
-            replica = Replica(config, self.tmp / f"replica-{i}.log")
-            self.replicas.append(replica)
-            replica.start()
-        for replica in self.replicas:
-            replica.wait_for(lambda e: e.get("event") == "daemon.started", timeout=TIMEOUT)
+        super().__init__(url, tmp)
+        # Below the ephemeral range: no outgoing connection takes the port while it is stopped.
+        self.proxy, self.proxied = proxy_for(url, port_below_ephemeral())
 
     def close(self) -> None:
         for replica in self.replicas:
             replica.kill()
         self.proxy.stop()
         if make_url(self.url).get_backend_name() == "postgresql":
-            _wait_for_backends_gone(self.url)
-
-
-def _wait_for_backends_gone(url: str, timeout: float = 10.0) -> None:
-    """An exited replica's PostgreSQL backends end a moment after its sockets close;
-    wait for that so the fixture's leak check sees only real leaks."""
-    engine = make_engine(url)
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with engine.connect() as connection:
-                others = connection.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                    )
-                ).scalar_one()
-            if others == 0:
-                return
-            time.sleep(0.1)
-    finally:
-        engine.dispose()
+            wait_for_backends_gone(self.url)
 
 
 @pytest.fixture(params=SERVER_DIALECTS)
@@ -236,25 +98,6 @@ def rig(
 
 
 # -- reading what happened ------------------------------------------------------------------
-
-
-def seconds(value: str | datetime) -> float:
-    """Unix seconds of an ISO text (``Z`` or ``+00:00``) or an aware datetime."""
-    instant = value if isinstance(value, datetime) else datetime.fromisoformat(value)
-    assert instant.tzinfo is not None, value
-    return instant.astimezone(UTC).timestamp()
-
-
-def stamp(event: Event) -> float:
-    return seconds(str(event["timestamp"]))
-
-
-def of(events: list[Event], name: str, **fields: Any) -> list[Event]:
-    return [
-        e
-        for e in events
-        if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
-    ]
 
 
 def between(events: list[Event], begin: float, end: float) -> list[Event]:

@@ -21,57 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import Replica, overlaps, read_rows, read_runs, sweep, write_config
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
-
-from sweepd.db.engine import make_engine
+from daemon_harness import Cluster, Replica, overlaps, read_rows, read_runs, sweep, write_config
 
 pytestmark = pytest.mark.slow
 
 Event = dict[str, Any]
-
-
-class Cluster:
-    """Replicas of one config on one database; none outlives the test."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url = url
-        self.tmp = tmp
-        self.replicas: list[Replica] = []
-
-    def start(self, config: Path) -> Replica:
-        replica = Replica(config, self.tmp / f"replica-{len(self.replicas)}.log")
-        self.replicas.append(replica)
-        replica.start().wait_for(lambda e: e.get("event") == "daemon.started", timeout=30)
-        return replica
-
-    def close(self) -> None:
-        for replica in self.replicas:
-            replica.kill()
-        if make_url(self.url).get_backend_name() == "postgresql":
-            _wait_for_backends_gone(self.url)
-
-
-def _wait_for_backends_gone(url: str, timeout: float = 10.0) -> None:
-    """A killed replica's PostgreSQL backends end a moment after its sockets close;
-    wait for that so the fixture's leak check sees only real leaks."""
-    engine = make_engine(url)
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with engine.connect() as connection:
-                others = connection.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                    )
-                ).scalar_one()
-            if others == 0:
-                return
-            time.sleep(0.1)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture
@@ -147,7 +101,7 @@ def test_sighup_adds_and_removes_sweeps(cluster: Cluster, tmp_path: Path) -> Non
     # when the reload removes it: that run must finish, the queued tick must not.
     b = sweep("b", out, args={"duration": 1.5})
     config = configure(tmp_path, cluster.url, [sweep("a", out), b])
-    replica = cluster.start(config)
+    (replica,) = cluster.start(config)
     wait_for_runs(out, "b", after=0, count=2, timeout=10)
     configure(tmp_path, cluster.url, [sweep("a", out), sweep("c", out)])
 
@@ -179,7 +133,7 @@ def test_sighup_with_an_invalid_file_keeps_the_running_config(
 ) -> None:
     out = tmp_path / "runs.jsonl"
     config = configure(tmp_path, cluster.url, [sweep("a", out), sweep("b", out)])
-    replica = cluster.start(config)
+    (replica,) = cluster.start(config)
     wait_for_runs(out, "b", after=0, count=2, timeout=10)
     configure(tmp_path, cluster.url, [sweep("a", out), sweep("b", out, every="soon")])
     lines = config.read_text().splitlines()
@@ -206,7 +160,7 @@ def test_sighup_with_an_edited_schedule_makes_no_surprise_runs(
 ) -> None:
     out = tmp_path / "runs.jsonl"
     config = configure(tmp_path, cluster.url, [sweep("a", out)])
-    replica = cluster.start(config)
+    (replica,) = cluster.start(config)
     wait_for_runs(out, "a", after=0, count=2, timeout=10)
     configure(tmp_path, cluster.url, [sweep("a", out, every="3s")])
 

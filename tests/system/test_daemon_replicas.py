@@ -11,101 +11,41 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import shutil
 import signal
 import statistics
-import subprocess
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_harness import (
+    Cluster,
     Replica,
+    of,
     overlaps,
     read_rows,
     read_runs,
-    stop_all,
+    seconds,
+    stamp,
     sweep,
     write_config,
 )
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
-
-from sweepd.db.engine import make_engine
 
 pytestmark = pytest.mark.slow
 
 Event = dict[str, Any]
 Key = tuple[str, float]  # (sweep, tick as Unix seconds)
 
-SHIM_SOURCE = Path(__file__).with_name("fakeclock.c")
-TIMEOUT = 60.0  # seconds; bounds compiling, stopping and every wait
+TIMEOUT = 60.0  # seconds; bounds stopping and every wait
 QUIET = {"already_run", "lease_held"}  # losing to another replica: the system working
 STOP_BOUND = 8.0  # seconds all replicas may take to drain and exit after SIGTERM
 SKEW = 30.0  # seconds the skewed replica's wall clock is ahead
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-class Cluster:
-    """Replicas started for one test; none outlives it."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url = url
-        self.tmp = tmp
-        self.replicas: list[Replica] = []
-
-    def start(self, config: Path, count: int, env: list[dict[str, str]] | None = None) -> None:
-        """Like ``start_replicas``, but every process is kept for close() even if one fails."""
-        envs = env if env is not None else [{} for _ in range(count)]
-        for i in range(count):
-            replica = Replica(config, self.tmp / f"replica-{i}.log", envs[i])
-            self.replicas.append(replica)
-            replica.start()
-        for replica in self.replicas:
-            replica.wait_for(lambda e: e.get("event") == "daemon.started", timeout=TIMEOUT)
-
-    def stop(self) -> tuple[float, list[int], float]:
-        """SIGTERM every replica; (time of the first signal, exit statuses, seconds taken)."""
-        signalled = time.time()
-        began = time.monotonic()
-        codes = stop_all(self.replicas, signal.SIGTERM, timeout=TIMEOUT)
-        return signalled, codes, time.monotonic() - began
-
-    def events(self) -> list[list[Event]]:
-        return [replica.events() for replica in self.replicas]
-
-    def close(self) -> None:
-        for replica in self.replicas:
-            replica.kill()
-        if make_url(self.url).get_backend_name() == "postgresql":
-            _wait_for_backends_gone(self.url)
-
-
-def _wait_for_backends_gone(url: str, timeout: float = 10.0) -> None:
-    """An exited replica's PostgreSQL backends end a moment after its sockets close;
-    wait for that so the fixture's leak check sees only real leaks."""
-    engine = make_engine(url)
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with engine.connect() as connection:
-                others = connection.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                    )
-                ).scalar_one()
-            if others == 0:
-                return
-            time.sleep(0.1)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture
@@ -115,42 +55,6 @@ def cluster(database_url: str, tmp_path: Path) -> Iterator[Cluster]:
         yield found
     finally:
         found.close()
-
-
-@pytest.fixture(scope="module")
-def fakeclock(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Compile the wall-clock shim once for this module; in CI a missing gcc is a failure."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        reason = "gcc is needed to build the fakeclock LD_PRELOAD shim"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    library = tmp_path_factory.mktemp("fakeclock") / "fakeclock.so"
-    flags = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"]
-    subprocess.run(
-        [gcc, *flags, "-o", str(library), str(SHIM_SOURCE), "-ldl"], check=True, timeout=TIMEOUT
-    )
-    return library
-
-
-def seconds(value: str | datetime) -> float:
-    """Unix seconds of an ISO text (``Z`` or ``+00:00``) or an aware datetime."""
-    instant = value if isinstance(value, datetime) else datetime.fromisoformat(value)
-    assert instant.tzinfo is not None, value
-    return instant.astimezone(UTC).timestamp()
-
-
-def stamp(event: Event) -> float:
-    return seconds(str(event["timestamp"]))
-
-
-def of(events: list[Event], name: str, **fields: Any) -> list[Event]:
-    return [
-        e
-        for e in events
-        if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
-    ]
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -229,9 +133,9 @@ def test_three_replicas_run_every_tick_exactly_once(
     config = write_config(
         tmp_path / "sweepd.yaml", database_url, [sweep(n, out) for n in sorted(names)]
     )
-    cluster.start(config, 3)
+    cluster.start(config, 3, timeout=TIMEOUT)
     time.sleep(20.0)
-    signalled, codes, took = cluster.stop()
+    signalled, codes, took = cluster.stop(TIMEOUT)
     events = cluster.events()
     assert_exit_cleanly(codes, took, events)
 
@@ -353,9 +257,9 @@ def test_a_long_sweep_queues_and_coalesces_without_overlap(
         database_url,
         [sweep(n, out, coalesce=mode, args={"duration": 2.5}) for n, mode in modes.items()],
     )
-    cluster.start(config, 3)
+    cluster.start(config, 3, timeout=TIMEOUT)
     time.sleep(12.0)
-    _, codes, took = cluster.stop()
+    _, codes, took = cluster.stop(TIMEOUT)
     events = cluster.events()
     assert_exit_cleanly(codes, took, events)
     names = set(modes)
@@ -461,7 +365,7 @@ def test_replicas_with_skewed_wall_clocks_run_each_tick_once(
         "LD_PRELOAD": " ".join(filter(None, [str(fakeclock), os.environ.get("LD_PRELOAD")])),
         "FAKECLOCK_OFFSET": repr(SKEW),
     }
-    cluster.start(config, 1, env=[{}])
+    cluster.start(config, 1, env=[{}], timeout=TIMEOUT)
     plain = cluster.replicas[0]
     real_start = time.time()
     plain.wait_for(
@@ -478,7 +382,7 @@ def test_replicas_with_skewed_wall_clocks_run_each_tick_once(
     skewed.signal(signal.SIGTERM)
     assert skewed.wait(TIMEOUT) == 0
     time.sleep(3.0)
-    _, codes, took = cluster.stop()
+    _, codes, took = cluster.stop(TIMEOUT)
     events = cluster.events()
     assert codes == [0, 0], codes
     assert took < STOP_BOUND, took

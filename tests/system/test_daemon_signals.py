@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import Replica, read_rows, read_runs, sweep, write_config
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
+from daemon_harness import Cluster, Replica, read_rows, read_runs, sweep, write_config
 
 from sweepd.db.engine import make_engine
 from sweepd.lease import LeaseStore
@@ -32,52 +30,6 @@ NAME = "s"
 CANCEL_GRACE = 2.0
 
 Event = dict[str, Any]
-
-
-class Cluster:
-    """Replicas of one config on one database; none outlives the test."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url = url
-        self.tmp = tmp
-        self.replicas: list[Replica] = []
-
-    def start(self, config: Path, count: int) -> list[Replica]:
-        started = []
-        for _ in range(count):
-            replica = Replica(config, self.tmp / f"replica-{len(self.replicas)}.log")
-            self.replicas.append(replica)
-            started.append(replica.start())
-        for replica in started:
-            replica.wait_for(lambda e: e.get("event") == "daemon.started", timeout=30)
-        return started
-
-    def close(self) -> None:
-        for replica in self.replicas:
-            replica.kill()
-        if make_url(self.url).get_backend_name() == "postgresql":
-            _wait_for_backends_gone(self.url)
-
-
-def _wait_for_backends_gone(url: str, timeout: float = 10.0) -> None:
-    """A killed replica's PostgreSQL backends end a moment after its sockets close;
-    wait for that so the fixture's leak check sees only real leaks."""
-    engine = make_engine(url)
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with engine.connect() as connection:
-                others = connection.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                    )
-                ).scalar_one()
-            if others == 0:
-                return
-            time.sleep(0.1)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ LD_PRELOAD shim (fakeclock.c) and compare the two outputs.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHIM_SOURCE = Path(__file__).with_name("fakeclock.c")
 TIMEOUT = 60.0  # seconds; bounds every subprocess so a hung clock cannot hang the suite
 SLACK = 5.0  # seconds allowed for process start-up and a loaded machine
 
@@ -42,24 +40,6 @@ CHECK_CONFIG = [
     "2026-03-29T00:30:00Z",
     "--no-db",
 ]
-
-
-@pytest.fixture(scope="module")
-def fakeclock(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Compile the shim once for this module; CI must have gcc, so there a miss is a failure."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        reason = "gcc is needed to build the fakeclock LD_PRELOAD shim"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    library = tmp_path_factory.mktemp("fakeclock") / "fakeclock.so"
-    # -Werror: a warning in a clock shim is a bug we want to see, not ignore.
-    flags = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"]
-    subprocess.run(
-        [gcc, *flags, "-o", str(library), str(SHIM_SOURCE), "-ldl"], check=True, timeout=TIMEOUT
-    )
-    return library
 
 
 def run(args: list[str], shim: Path | None = None, offset: float = 0.0) -> str:
