@@ -96,8 +96,6 @@ class Daemon:
         self._stopping = False
         self._reload_requested = False
         self._slots = asyncio.Semaphore(settings.concurrency)
-        self.ready = asyncio.Event()  # schedules loaded: the moment to say READY=1
-        self.heartbeat_at = 0.0  # monotonic time the loop last woke, for /healthz
 
     # -- control, safe to call from signal handlers and other threads via call_soon ----
 
@@ -126,7 +124,6 @@ class Daemon:
             concurrency=self.settings.concurrency,
             dry_run=self.dry_run,
         )
-        self.ready.set()
         try:
             await self._loop()
         finally:
@@ -134,7 +131,6 @@ class Daemon:
 
     async def _loop(self) -> None:
         while not self._stopping:
-            self.heartbeat_at = self.clock.monotonic()
             if self._reload_requested:
                 self._reload_requested = False
                 await self._apply_reload()
@@ -145,8 +141,8 @@ class Daemon:
                 if self._generation.get(due.name) == due.generation:
                     self._fire(due, now)
             delay = (self._heap[0].fire_at - now).total_seconds() if self._heap else 3600.0
-            # Wake at least every 30 s so /healthz sees a live loop and a
-            # stepped wall clock is noticed without waiting out a long delay.
+            # Wake at least every 30 s, so a stepped wall clock is noticed
+            # without waiting out a long delay.
             await self._sleep(min(delay, 30.0))
 
     async def _sleep(self, seconds: float) -> None:
