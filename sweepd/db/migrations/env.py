@@ -8,29 +8,25 @@ host application's Alembic history without touching it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import context
 
 from sweepd.db.schema import VERSION_TABLE, metadata
 
 config = context.config
 connection = config.attributes.get("connection")
-
-if connection is None:
-    context.configure(
-        dialect_name=config.attributes["dialect"],
-        target_metadata=metadata,
-        version_table=VERSION_TABLE,
-        literal_binds=True,
-        transaction_per_migration=True,
-    )
-    with context.begin_transaction():
-        context.run_migrations()
-else:
-    context.configure(
-        connection=connection,
-        target_metadata=metadata,
-        version_table=VERSION_TABLE,
-        transaction_per_migration=True,
-    )
-    with context.begin_transaction():
-        context.run_migrations()
+# Offline (no connection): render SQL for the named dialect, values inlined.
+target: dict[str, Any] = (
+    {"connection": connection}
+    if connection is not None
+    else {"dialect_name": config.attributes["dialect"], "literal_binds": True}
+)
+context.configure(
+    target_metadata=metadata,
+    version_table=VERSION_TABLE,
+    transaction_per_migration=True,
+    **target,
+)
+with context.begin_transaction():
+    context.run_migrations()
