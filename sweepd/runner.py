@@ -14,7 +14,7 @@ import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
@@ -66,15 +66,6 @@ class Attempt:
     reason: CancelReason | None = None  # why it was stopped, when it was
 
 
-@dataclass
-class StoreHealth:
-    """Whether the database answers. After a lease was lost to an outage the
-    replica claims nothing new until a probe gets through again."""
-
-    healthy: bool = True
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
 class Runner:
     def __init__(
         self,
@@ -91,7 +82,9 @@ class Runner:
         self.clock = clock
         self.log = log
         self.stats = stats
-        self.health = StoreHealth()
+        # False after a lease was lost to an outage: the replica claims nothing
+        # new until a probe gets through to the database again.
+        self.store_healthy = True
         self.inflight: dict[str, Attempt] = {}
         self.draining = False
         self.unfinished: list[tuple[int, str, Status, str | None]] = []  # endings not yet written
@@ -104,7 +97,7 @@ class Runner:
     ) -> str:
         """Run ``tick`` of ``sweep`` if this replica wins it; return what happened."""
         log = self.log.bind(sweep=sweep.name, tick=iso(tick), holder=self.holder)
-        if not self.health.healthy:
+        if not self.store_healthy:
             return self._skip(log, "store_unavailable")
         if self.unfinished:
             await self.settle()
@@ -339,21 +332,19 @@ class Runner:
 
     def _unhealthy(self) -> None:
         """Claim nothing until a probe reaches the database again."""
-        self.health.healthy = False
-        self.health.changed.set()
+        self.store_healthy = False
         if self._probing is None or self._probing.done():
             self._probing = asyncio.create_task(self._probe(), name="store-probe")
 
     async def _probe(self) -> None:
-        while not self.health.healthy:
+        while not self.store_healthy:
             try:
                 await bounded(self.store.now)
             except StoreError as error:
                 self.log.warning("store.unavailable", error=str(error))
                 await self.clock.sleep(1.0)
                 continue
-            self.health.healthy = True
-            self.health.changed.set()
+            self.store_healthy = True
             self.log.info("store.available")
         await self.settle()
 
