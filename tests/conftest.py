@@ -14,10 +14,14 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
+
+if TYPE_CHECKING:
+    from daemon_harness import Cluster
 
 IN_CI = os.environ.get("CI") == "true"
 MakeDatabase = Callable[[str], str]
@@ -110,3 +114,15 @@ def fakeclock(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [gcc, *flags, "-o", str(library), str(SHIM_SOURCE), "-ldl"], check=True, timeout=60
     )
     return library
+
+
+@pytest.fixture
+def cluster(database_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    """Replicas of `sweepd run` for one system test; none outlives it."""
+    from daemon_harness import Cluster  # tests/system is on the path for its tests
+
+    found = Cluster(database_url, tmp_path)
+    try:
+        yield found
+    finally:
+        found.close()

@@ -15,7 +15,7 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,15 +26,6 @@ from daemon_harness import Cluster, Replica, overlaps, read_rows, read_runs, swe
 pytestmark = pytest.mark.slow
 
 Event = dict[str, Any]
-
-
-@pytest.fixture
-def cluster(database_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    found = Cluster(database_url, tmp_path)
-    try:
-        yield found
-    finally:
-        found.close()
 
 
 def is_event(name: str) -> Callable[[Event], bool]:

@@ -15,7 +15,6 @@ import signal
 import statistics
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +45,6 @@ SKEW = 30.0  # seconds the skewed replica's wall clock is ahead
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(database_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    found = Cluster(database_url, tmp_path)
-    try:
-        yield found
-    finally:
-        found.close()
 
 
 def percentile(values: list[float], fraction: float) -> float:

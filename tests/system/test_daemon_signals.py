@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -30,15 +30,6 @@ NAME = "s"
 CANCEL_GRACE = 2.0
 
 Event = dict[str, Any]
-
-
-@pytest.fixture
-def cluster(database_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    found = Cluster(database_url, tmp_path)
-    try:
-        yield found
-    finally:
-        found.close()
 
 
 def is_event(name: str, **fields: Any) -> Callable[[Event], bool]:
