@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from sweepd.clock import Clock
 from sweepd.context import SweepContext
 from sweepd.errors import StoreError
 from sweepd.history import History, Status, Trigger, describe_error
-from sweepd.lease import LeaseStore, Lost
+from sweepd.lease import Claim, LeaseStore, Lost
 from sweepd.model import SweepDef
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
@@ -52,6 +53,34 @@ async def bounded(call: Callable[..., T], *args: Any, timeout: float = DB_CALL_S
 
 def iso(instant: datetime | None) -> str | None:
     return None if instant is None else instant.isoformat().replace("+00:00", "Z")
+
+
+Started = int | str  # an attempt's run id, or why its row could not be written
+
+
+@dataclass
+class Opened:
+    """What the claim hop found: the claim, and for a won one, its first row."""
+
+    claim: Claim
+    lost_runs: int = 0  # older rows of this sweep found still running, now marked lost
+    lost_error: str | None = None
+    started: Started | None = None  # set for a won claim
+
+
+@dataclass
+class Ended:
+    """An attempt that returned, whose row is still to be finished."""
+
+    run_id: int
+    name: str
+    status: Status
+    message: str | None
+    duration: float
+    log: Any
+
+    def row(self) -> tuple[int, str, Status, str | None]:
+        return self.run_id, self.name, self.status, self.message
 
 
 @dataclass
@@ -102,13 +131,14 @@ class Runner:
         if self.unfinished:
             await self.settle()
         try:
-            outcome = await bounded(self.store.claim, sweep.name, self.holder, sweep.ttl, tick)
+            opened = await bounded(self._open, sweep, tick, trigger)
         except StoreError as error:
             # Loud: every replica failing here is a sweep that silently stopped.
             self.stats["lease_errors"] += 1
             self.stats["ticks_failed"] += 1
             log.error("lease.error", operation="claim", error=str(error), transient=error.transient)
             return "lease_error"
+        outcome = opened.claim
         if isinstance(outcome, Lost):
             return self._skip(
                 log, outcome.reason, held_by=outcome.holder, expires_at=iso(outcome.expires_at)
@@ -117,10 +147,17 @@ class Runner:
         log = log.bind(fencing_token=token)
         self.stats["ticks_claimed"] += 1
         log.info("tick.claimed", lateness=self._lateness(tick))
-        await self._mark_lost(sweep, token, log)
+        if opened.lost_error is not None:
+            log.error("run.record_failed", operation="mark lost", error=opened.lost_error)
+        elif opened.lost_runs:
+            self.stats["runs.lost"] += opened.lost_runs
+            log.warning("run.marked_lost", count=opened.lost_runs)
         lease_lost, cancelled = threading.Event(), threading.Event()
         heartbeat = asyncio.create_task(self._heartbeat(sweep, token, lease_lost, log))
         status: Status = "failed"
+        ended: Ended | None = None  # the last attempt, its row finished with the release
+        started = opened.started
+        assert started is not None, "a won claim always reports its first row"
         try:
             for attempt in range(1, sweep.retries.max + 2):
                 ctx = SweepContext(
@@ -133,13 +170,20 @@ class Runner:
                     cancelled=cancelled,
                     lease_lost=lease_lost,
                 )
-                status = await self._attempt(sweep, tick, token, ctx, trigger, log)
+                if attempt > 1:
+                    started = await self._start(sweep, tick, token, attempt, trigger)
+                ended = await self._attempt(sweep, started, token, ctx, trigger, log)
+                status = "failed" if ended is None else ended.status
                 if (
                     status not in ("failed", "timeout")
                     or attempt > sweep.retries.max
                     or self.draining
                 ):
                     break
+                # Another attempt follows: this one's row is finished now.
+                if ended is not None:
+                    await self._finish(ended)
+                    ended = None
                 if sweep.retries.backoff.total_seconds() > 0:
                     await self.clock.sleep(sweep.retries.backoff.total_seconds())
                 if self.draining or lease_lost.is_set():
@@ -147,15 +191,88 @@ class Runner:
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
-            try:
-                released = await bounded(self.store.release, sweep.name, self.holder, token)
-            except StoreError:
-                released = False
+            released = await self._close(sweep, token, ended)
             if released:
                 log.debug("lease.released")
             elif not lease_lost.is_set():
                 log.warning("lease.release_failed", note="the lease frees itself at its expiry")
         return status
+
+    # -- the database side of a run, one thread hop at each end ----------------------------
+
+    def _open(self, sweep: SweepDef, tick: datetime | None, trigger: Trigger) -> Opened:
+        """Claim; if won, mark the sweep's stale rows lost and write the first attempt's row.
+
+        One call on one worker thread: every hop between the loop and a
+        thread costs a wake-up on each side, and a burst of ticks makes
+        thousands of them. Only the claim's failure raises; the other two are
+        reported, so a won lease is always released.
+        """
+        name = sweep.name
+        claim = self.store.claim(name, self.holder, sweep.ttl, tick)
+        opened = Opened(claim)
+        if isinstance(claim, Lost):
+            return opened
+        try:
+            opened.lost_runs = self.history.mark_lost(name, claim.token)
+        except StoreError as error:
+            opened.lost_error = str(error)
+        try:
+            opened.started = self.history.start(name, tick, self.holder, claim.token, 1, trigger)
+        except StoreError as error:
+            opened.started = str(error)
+        return opened
+
+    async def _start(
+        self, sweep: SweepDef, tick: datetime | None, token: int, attempt: int, trigger: Trigger
+    ) -> Started:
+        try:
+            return await bounded(
+                self.history.start, sweep.name, tick, self.holder, token, attempt, trigger
+            )
+        except StoreError as error:
+            return str(error)
+
+    async def _finish(self, ended: Ended) -> None:
+        try:
+            await bounded(self.history.finish, *ended.row())
+        except StoreError as error:
+            self._finished(ended, str(error))
+        else:
+            self._finished(ended, None)
+
+    async def _close(self, sweep: SweepDef, token: int, ended: Ended | None) -> bool:
+        """Finish the last attempt's row and release the lease in one hop; True if released."""
+
+        def close() -> tuple[str | None, bool]:
+            failed = None
+            if ended is not None:
+                try:
+                    self.history.finish(*ended.row())
+                except StoreError as error:
+                    failed = str(error)
+            return failed, self.store.release(sweep.name, self.holder, token)
+
+        try:
+            failed, released = await bounded(close)
+        except StoreError as error:
+            failed, released = str(error), False
+        if ended is not None:
+            self._finished(ended, failed)
+        return released
+
+    def _finished(self, ended: Ended, failed: str | None) -> None:
+        """Log the attempt's end once its row says so (or could not be made to)."""
+        if failed is not None:
+            ended.log.error(
+                "run.record_failed", operation="finish", status=ended.status, error=failed
+            )
+            self.unfinished.append(ended.row())
+        fields = {"status": ended.status, "duration": ended.duration}
+        if ended.status == "success":
+            ended.log.info("run.finished", **fields)
+        else:
+            ended.log.error("run.finished", **fields, error=ended.message)
 
     def _skip(self, log: Any, reason: str, **fields: Any) -> str:
         self.stats[f"skipped.{reason}"] += 1
@@ -177,62 +294,38 @@ class Runner:
     def _lateness(self, tick: datetime | None) -> float | None:
         return None if tick is None else round((self.clock.now() - tick).total_seconds(), 6)
 
-    async def _mark_lost(self, sweep: SweepDef, token: int, log: Any) -> None:
-        try:
-            count = await bounded(self.history.mark_lost, sweep.name, token)
-        except StoreError as error:
-            log.error("run.record_failed", operation="mark lost", error=str(error))
-            return
-        if count:
-            self.stats["runs.lost"] += count
-            log.warning("run.marked_lost", count=count)
-
     # -- one attempt ----------------------------------------------------------------------
 
     async def _attempt(
         self,
         sweep: SweepDef,
-        tick: datetime | None,
+        started: Started,
         token: int,
         ctx: SweepContext,
         trigger: Trigger,
         log: Any,
-    ) -> Status:
-        try:
-            run_id = await bounded(
-                self.history.start, sweep.name, tick, self.holder, token, ctx.attempt, trigger
-            )
-        except StoreError as error:
+    ) -> Ended | None:
+        """Call the sweep once; None if its row could not be written, so it never ran."""
+        if isinstance(started, str):
             # No row, no run: a run nobody can account for is worse than a
             # loudly failed tick.
             self.stats["ticks_failed"] += 1
-            log.error("run.record_failed", operation="start", error=str(error), attempt=ctx.attempt)
-            return "failed"
+            log.error("run.record_failed", operation="start", error=started, attempt=ctx.attempt)
+            return None
+        run_id = started
         log = log.bind(run_id=run_id, attempt=ctx.attempt)
         ctx.logger = log
         attempt = Attempt(sweep=sweep, token=token, ctx=ctx, run_id=run_id)
         self.inflight[sweep.name] = attempt
-        started = self.clock.monotonic()
+        began = self.clock.monotonic()
         log.info("run.started", trigger=trigger)
         try:
             status, message = await self._call(attempt)
         finally:
             self.inflight.pop(sweep.name, None)
-        duration = round(self.clock.monotonic() - started, 6)
-        try:
-            await bounded(self.history.finish, run_id, sweep.name, status, message)
-        except StoreError as store_error:
-            log.error(
-                "run.record_failed", operation="finish", status=status, error=str(store_error)
-            )
-            self.unfinished.append((run_id, sweep.name, status, message))
         self.stats[f"runs.{status}"] += 1
-        fields = {"status": status, "duration": duration}
-        if status == "success":
-            log.info("run.finished", **fields)
-        else:
-            log.error("run.finished", **fields, error=message)
-        return status
+        duration = round(self.clock.monotonic() - began, 6)
+        return Ended(run_id, sweep.name, status, message, duration, log)
 
     async def _call(self, attempt: Attempt) -> tuple[Status, str | None]:
         sweep, ctx = attempt.sweep, attempt.ctx
@@ -364,15 +457,45 @@ class Runner:
             self.log.info("run.recorded_late", sweep=name, run_id=run_id, status=status)
 
 
-def _start_thread(
-    call: Any, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, name: str
-) -> None:
-    """Run a sync sweep on a daemon thread of its own.
+class _Threads:
+    """Daemon threads for sync sweeps, kept for the next run when one returns.
 
     Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so
     one sweep that ignores ``ctx.cancelled`` would keep a drained daemon from
-    ever exiting. The daemon's ``concurrency`` slots bound how many run.
+    ever exiting. Not a thread per run either: starting one waits for the new
+    thread to be scheduled, on the loop, for every run. The daemon's
+    ``concurrency`` slots bound how many run at once, so they bound how many
+    threads there are.
     """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job, less the jobs queued for them
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put(job)
+        if spawn:
+            threading.Thread(target=self._serve, name="sweepd-sweep", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = _Threads()
+
+
+def _start_thread(
+    call: Any, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, name: str
+) -> None:
+    """Run a sync sweep on a worker thread; its outcome settles ``future`` on the loop."""
 
     def settle(value: Any, error: BaseException | None) -> None:
         if future.done():
@@ -382,7 +505,8 @@ def _start_thread(
         else:
             future.set_exception(error)
 
-    def target() -> None:
+    def job() -> None:
+        threading.current_thread().name = f"sweep-{name}"
         value, failure = None, None
         try:
             value = call()
@@ -391,5 +515,6 @@ def _start_thread(
         # RuntimeError: the loop is gone, the daemon stopped and recorded this run.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, value, failure)
+        threading.current_thread().name = "sweepd-sweep"
 
-    threading.Thread(target=target, name=f"sweep-{name}", daemon=True).start()
+    _THREADS.run(job)

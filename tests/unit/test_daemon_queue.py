@@ -93,7 +93,7 @@ def daemon_for(
 
 
 def fire(daemon: Daemon, tick: float, now: float | None = None) -> None:
-    due = _Due(at(tick), 0, at(tick), "slow", 1)
+    due = _Due(at(tick), 0.0, 0, at(tick), "slow", 1)
     daemon._fire(due, at(now if now is not None else tick))
 
 
