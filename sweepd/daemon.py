@@ -31,7 +31,8 @@ from sweepd.history import History
 from sweepd.lease import LeaseStore, make_holder
 from sweepd.model import Settings, SweepDef
 from sweepd.observe import get_logger
-from sweepd.runner import Runner, bounded, iso
+from sweepd.offload import bounded
+from sweepd.runner import Runner, iso
 from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, ticks_from
 
 HISTORY_SWEEP = "sweepd.prune-history"

@@ -40,6 +40,18 @@ class RunRow:
     error: str | None
 
 
+@dataclass(frozen=True)
+class Start:
+    """The row of one run attempt about to start."""
+
+    name: str
+    tick: datetime | None
+    holder: str
+    token: int
+    attempt: int
+    trigger: Trigger
+
+
 def describe_error(error: BaseException) -> str:
     """``Type: message``, cut to what the column keeps."""
     text = f"{type(error).__name__}: {error}"
@@ -69,6 +81,12 @@ class _Statements:
             update(sweep_runs)
             .where(c.id == bindparam("p_id"), c.status == "running")
             .values(status=bindparam("p_status"), finished_at=db_now(), error=bindparam("p_error"))
+        )
+        self.start_returning = self.start.returning(c.id, sort_by_parameter_order=True)
+        self.stale_of = select(c.id, c.name, c.fencing_token).where(
+            c.namespace == bindparam("p_namespace"),
+            c.name.in_(bindparam("p_names", expanding=True)),
+            c.status == "running",
         )
         self.stale = select(c.id).where(
             c.namespace == bindparam("p_namespace"),
@@ -121,6 +139,40 @@ class History:
         except SQLAlchemyError as error:
             raise store_fault("run start", name, self.engine, error) from error
 
+    def start_many(self, starts: list[Start]) -> list[int]:
+        """Write the ``running`` rows of several runs; their ids, in order.
+
+        One INSERT for all of them where the dialect returns the ids of a
+        multi-row INSERT in order (PostgreSQL, SQLite, MariaDB 10.5+), else
+        one INSERT each on one connection.
+        """
+        rows = [
+            {
+                "p_namespace": self.namespace,
+                "p_name": start.name,
+                "p_tick": start.tick,
+                "p_holder": start.holder,
+                "p_token": start.token,
+                "p_attempt": start.attempt,
+                "p_trigger": start.trigger,
+            }
+            for start in starts
+        ]
+        dialect = self.engine.dialect
+        try:
+            with self.engine.connect() as connection:
+                if len(rows) > 1 and dialect.insert_executemany_returning_sort_by_parameter_order:
+                    found = connection.execute(_SQL.start_returning, rows)
+                    return [int(run_id) for run_id in found.scalars()]
+                ids = []
+                for row in rows:
+                    key = connection.execute(_SQL.start, row).inserted_primary_key
+                    assert key is not None
+                    ids.append(int(key[0]))
+                return ids
+        except SQLAlchemyError as error:
+            raise store_fault("run start", starts[0].name, self.engine, error) from error
+
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended (only while the row still says ``running``)."""
         params = {"p_id": run_id, "p_status": status, "p_error": error}
@@ -133,6 +185,41 @@ class History:
             retry_deadlocks(write)
         except SQLAlchemyError as error_:
             raise store_fault("run finish", name, self.engine, error_) from error_
+
+    def finish_many(self, endings: list[tuple[int, str, Status, str | None]]) -> None:
+        """``finish`` for several runs, sent together (pipelined by psycopg)."""
+        params = [{"p_id": i, "p_status": status, "p_error": e} for i, _, status, e in endings]
+
+        def write() -> None:
+            with self.engine.connect() as connection:
+                connection.execute(_SQL.finish, params)
+
+        try:
+            retry_deadlocks(write)
+        except SQLAlchemyError as error_:
+            raise store_fault("run finish", endings[0][1], self.engine, error_) from error_
+
+    def mark_lost_many(self, claimed: dict[str, int]) -> dict[str, int]:
+        """``mark_lost`` for several just-claimed sweeps (name -> new token): rows marked, per sweep."""
+
+        def mark() -> dict[str, int]:
+            with self.engine.connect() as connection:
+                found = connection.execute(
+                    _SQL.stale_of, {"p_namespace": self.namespace, "p_names": list(claimed)}
+                )
+                stale = [row for row in found if row.fencing_token < claimed[row.name]]
+                if not stale:
+                    return {}
+                connection.execute(_SQL.mark_lost, {"p_ids": [row.id for row in stale]})
+                counts: dict[str, int] = {}
+                for row in stale:
+                    counts[row.name] = counts.get(row.name, 0) + 1
+                return counts
+
+        try:
+            return retry_deadlocks(mark)
+        except SQLAlchemyError as error:
+            raise store_fault("mark lost", next(iter(claimed)), self.engine, error) from error
 
     def mark_lost(self, name: str, token: int) -> int:
         """Rows of ``name`` left ``running`` under an older token: their holder is gone."""
@@ -183,4 +270,4 @@ class History:
             raise store_fault("history read", name or "-", self.engine, error) from error
 
 
-__all__ = ["History", "RunRow", "Status", "StoreError", "Trigger", "describe_error"]
+__all__ = ["History", "RunRow", "Start", "Status", "StoreError", "Trigger", "describe_error"]

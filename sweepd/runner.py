@@ -17,38 +17,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from sweepd.clock import Clock
 from sweepd.context import SweepContext
 from sweepd.errors import StoreError
-from sweepd.history import History, Status, Trigger, describe_error
-from sweepd.lease import Claim, LeaseStore, Lost
+from sweepd.history import History, Start, Status, Trigger, describe_error
+from sweepd.lease import Claim, LeaseStore, Lost, Want, Won
 from sweepd.model import SweepDef
+from sweepd.offload import Batcher, bounded
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
-T = TypeVar("T")
-
-
-# How long any one database call may take before the daemon stops waiting for
-# it. The engines bound connect and statement times themselves; this catches
-# what they cannot, such as a server that accepts bytes and never answers.
-DB_CALL_SECONDS = 15.0
-
-
-async def bounded(call: Callable[..., T], *args: Any, timeout: float = DB_CALL_SECONDS) -> T:
-    """Run a blocking database call on a thread, giving up on it after ``timeout``.
-
-    The thread may stay blocked; the caller goes on and treats the call as
-    failed, so a hung database makes ticks fail loudly instead of stalling.
-    """
-    try:
-        return await asyncio.wait_for(asyncio.to_thread(call, *args), timeout)
-    except TimeoutError:
-        name = getattr(call, "__name__", "database call")
-        raise StoreError(
-            f"{name} got no answer from the database within {timeout:g}s", transient=True
-        ) from None
 
 
 def iso(instant: datetime | None) -> str | None:
@@ -56,6 +35,24 @@ def iso(instant: datetime | None) -> str | None:
 
 
 Started = int | str  # an attempt's run id, or why its row could not be written
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One flight asking to run a tick: claim it and, if won, start its row."""
+
+    sweep: SweepDef
+    tick: datetime | None
+    trigger: Trigger
+
+
+@dataclass(frozen=True)
+class Hand:
+    """One flight handing a run back: finish its last row, release its lease."""
+
+    sweep: SweepDef
+    token: int
+    ended: Ended | None
 
 
 @dataclass
@@ -118,6 +115,8 @@ class Runner:
         self.draining = False
         self.unfinished: list[tuple[int, str, Status, str | None]] = []  # endings not yet written
         self._probing: asyncio.Task[None] | None = None
+        self._opens = Batcher(self._open_many)
+        self._closes = Batcher(self._close_many)
 
     # -- one tick ----------------------------------------------------------------------
 
@@ -131,7 +130,7 @@ class Runner:
         if self.unfinished:
             await self.settle()
         try:
-            opened = await bounded(self._open, sweep, tick, trigger)
+            opened = await self._opens.submit(Ask(sweep, tick, trigger))
         except StoreError as error:
             # Loud: every replica failing here is a sweep that silently stopped.
             self.stats["lease_errors"] += 1
@@ -200,28 +199,45 @@ class Runner:
 
     # -- the database side of a run, one thread hop at each end ----------------------------
 
-    def _open(self, sweep: SweepDef, tick: datetime | None, trigger: Trigger) -> Opened:
-        """Claim; if won, mark the sweep's stale rows lost and write the first attempt's row.
+    def _open_many(self, asks: list[Ask]) -> list[Opened | StoreError]:
+        """Claim each ask's tick; for those won, mark stale rows lost and write the first row.
 
-        One call on one worker thread: every hop between the loop and a
-        thread costs a wake-up on each side, and a burst of ticks makes
-        thousands of them. Only the claim's failure raises; the other two are
-        reported, so a won lease is always released.
+        One thread hop for every flight that asked in the same turn of the
+        loop, and on PostgreSQL one statement for each of the three steps.
+        Only a claim's failure fails its ask; the other two are reported, so a
+        won lease is always released.
         """
-        name = sweep.name
-        claim = self.store.claim(name, self.holder, sweep.ttl, tick)
-        opened = Opened(claim)
-        if isinstance(claim, Lost):
-            return opened
+        wants = [Want(ask.sweep.name, ask.sweep.ttl, ask.tick) for ask in asks]
+        claims = self.store.claim_many(self.holder, wants)
+        results: list[Opened | StoreError] = [
+            claim if isinstance(claim, StoreError) else Opened(claim) for claim in claims
+        ]
+        won = [
+            (ask, opened, opened.claim)
+            for ask, opened in zip(asks, results, strict=True)
+            if isinstance(opened, Opened) and isinstance(opened.claim, Won)
+        ]
+        if not won:
+            return results
         try:
-            opened.lost_runs = self.history.mark_lost(name, claim.token)
+            lost = self.history.mark_lost_many({ask.sweep.name: c.token for ask, _, c in won})
         except StoreError as error:
-            opened.lost_error = str(error)
+            for _, opened, _ in won:
+                opened.lost_error = str(error)
+        else:
+            for ask, opened, _ in won:
+                opened.lost_runs = lost.get(ask.sweep.name, 0)
+        starts = [
+            Start(ask.sweep.name, ask.tick, self.holder, claim.token, 1, ask.trigger)
+            for ask, _, claim in won
+        ]
         try:
-            opened.started = self.history.start(name, tick, self.holder, claim.token, 1, trigger)
+            ids: list[Started] = list(self.history.start_many(starts))
         except StoreError as error:
-            opened.started = str(error)
-        return opened
+            ids = [str(error)] * len(won)
+        for (_, opened, _), started in zip(won, ids, strict=True):
+            opened.started = started
+        return results
 
     async def _start(
         self, sweep: SweepDef, tick: datetime | None, token: int, attempt: int, trigger: Trigger
@@ -242,24 +258,32 @@ class Runner:
             self._finished(ended, None)
 
     async def _close(self, sweep: SweepDef, token: int, ended: Ended | None) -> bool:
-        """Finish the last attempt's row and release the lease in one hop; True if released."""
-
-        def close() -> tuple[str | None, bool]:
-            failed = None
-            if ended is not None:
-                try:
-                    self.history.finish(*ended.row())
-                except StoreError as error:
-                    failed = str(error)
-            return failed, self.store.release(sweep.name, self.holder, token)
-
+        """Finish the last attempt's row and release the lease; True if released."""
         try:
-            failed, released = await bounded(close)
+            failed, released = await self._closes.submit(Hand(sweep, token, ended))
         except StoreError as error:
             failed, released = str(error), False
         if ended is not None:
             self._finished(ended, failed)
         return released
+
+    def _close_many(self, hands: list[Hand]) -> list[tuple[str | None, bool] | StoreError]:
+        """The rows first, then the leases: a lease freed before its row is
+        finished would let the next holder mark a finished run lost."""
+        endings = [hand.ended.row() for hand in hands if hand.ended is not None]
+        failed = None
+        if endings:
+            try:
+                self.history.finish_many(endings)
+            except StoreError as error:
+                failed = str(error)
+        released = self.store.release_many(
+            self.holder, [(hand.sweep.name, hand.token) for hand in hands]
+        )
+        return [
+            (failed if hand.ended is not None else None, freed)
+            for hand, freed in zip(hands, released, strict=True)
+        ]
 
     def _finished(self, ended: Ended, failed: str | None) -> None:
         """Log the attempt's end once its row says so (or could not be made to)."""

@@ -1,7 +1,8 @@
 """One racer for test_lease_race.py: claims every tick of a fixed list through LeaseStore.
 
 Run as ``python tests/integration/race_worker.py --url URL --barrier DIR --index N``
-(``--first-claims K`` races the very first claim of K new leases instead). It
+(``--first-claims K`` races the very first claim of K new leases instead;
+``--batch K`` claims every tick of K leases at once with ``claim_many``). It
 connects, says it is ready (a file in DIR), waits for DIR/go so that all racers start
 together, then walks the ticks in order and prints one JSON report on stdout. It never
 retries a store error: an error is the finding, so it is recorded and reported.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from datetime import UTC, datetime, timedelta
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sweepd.db.engine import make_engine
-from sweepd.lease import LeaseStore, Lost, StoreError, Won, make_holder
+from sweepd.lease import LeaseStore, Lost, StoreError, Want, Won, make_holder
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TTL = timedelta(seconds=30)
@@ -130,6 +132,35 @@ def first_claims(store: LeaseStore, holder: str, names: int, report: dict[str, A
             report["first_claims"].append({"name": name, "won": False, "reason": outcome.reason})
 
 
+def batches(store: LeaseStore, holder: str, ticks: int, names: int, report: dict[str, Any]) -> None:
+    """Claim each tick of ``names`` leases in one batch, each racer in an order of its own.
+
+    Different orders are what could deadlock two batches that lock rows as
+    they meet them; released in one batch too, racing the others' claims.
+    """
+    order = [f"batch-{n}" for n in range(names)]
+    random.Random(report["index"]).shuffle(order)
+    for k in range(ticks):
+        tick = tick_at(k)
+        try:
+            outcomes = store.claim_many(holder, [Want(name, TTL, tick) for name in order])
+        except StoreError as error:
+            report["errors"].append({"tick": k, "transient": error.transient, "error": str(error)})
+            continue
+        held = []
+        for name, outcome in zip(order, outcomes, strict=True):
+            if isinstance(outcome, StoreError):
+                report["errors"].append({"tick": k, "name": name, "error": str(outcome)})
+            elif isinstance(outcome, Won):
+                report["wins"].append({"tick": k, "name": name, "token": outcome.token})
+                held.append((name, outcome.token))
+            else:
+                report["losses"][outcome.reason] = report["losses"].get(outcome.reason, 0) + 1
+        for (name, token), freed in zip(held, store.release_many(holder, held), strict=True):
+            if not freed:
+                report["release_failures"].append({"tick": k, "name": name, "token": token})
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
@@ -137,6 +168,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--index", required=True, type=int)
     parser.add_argument("--ticks", type=int, default=200)
     parser.add_argument("--first-claims", type=int, default=0, help="race N new leases instead")
+    parser.add_argument("--batch", type=int, default=0, help="claim N leases per tick at once")
     args = parser.parse_args(argv)
 
     holder = f"worker-{args.index}:{make_holder()}"
@@ -167,6 +199,8 @@ def main(argv: list[str]) -> int:
         began = time.monotonic()
         if args.first_claims:
             first_claims(store, holder, args.first_claims, report)
+        elif args.batch:
+            batches(store, holder, args.ticks, args.batch, report)
         else:
             race(store, holder, args.ticks, report)
         report["elapsed"] = time.monotonic() - began

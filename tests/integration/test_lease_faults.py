@@ -272,7 +272,7 @@ def test_a_stopped_server_fails_claims_and_the_pool_recovers_when_it_returns(
                 reason="known limitation of the library face: psycopg has no client-side "
                 "read timeout and statement_timeout is enforced by the server, so a server "
                 "that accepts bytes and never answers hangs LeaseStore.claim; the daemon "
-                "bounds every call itself (runner.bounded), see docs/lease.md",
+                "bounds every call itself (offload.bounded), see docs/lease.md",
                 strict=True,
             ),
         ),
