@@ -1024,10 +1024,10 @@ def report(args: argparse.Namespace, result: Result) -> None:
 def phases_table(runs: list[Run], phases: dict[tuple[str, int], dict[str, float]]) -> Table:
     """Where a won tick's time goes, from the log's timestamps and the sweep's own line."""
     steps: dict[str, list[float]] = {
-        "tick -> tick.claimed (slot wait + claim)": [],
-        "tick.claimed -> run.started (mark lost + run row)": [],
-        "run.started -> sweep's first line (thread start)": [],
-        "sweep's first line -> run.finished (sweep + finish row)": [],
+        "tick -> tick.claimed (slot wait + claim, stale check, run row)": [],
+        "tick.claimed -> run.started (the loop)": [],
+        "run.started -> sweep's first line (thread hand-off)": [],
+        "sweep's first line -> run.finished (sweep + finish and release)": [],
     }
     labels = list(steps)
     for run in runs:

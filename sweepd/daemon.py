@@ -4,8 +4,8 @@ One asyncio loop sleeps until the next due tick (a heap of fire times, no
 polling), hands the tick to its sweep's queue, and goes back to sleep. Each
 sweep has one flight: at most one run in progress and one tick waiting, so
 a sweep never overlaps itself; ticks that arrive while one waits are folded
-into it and counted. Runs take one of ``concurrency`` slots before they
-claim, so a tick waiting for a slot holds no lease.
+into it and counted. The runner's slots (``sweepd.slots``) claim a tick only
+when a slot is free for it, so a tick waiting for a slot holds no lease.
 
 ``Daemon.run()`` installs no signal handlers: ``lifecycle`` does that for
 the command, and tests and embedders call ``stop()`` themselves.
@@ -88,6 +88,7 @@ class Daemon:
             self.clock,
             self.log,
             self.stats,
+            settings.concurrency,
         )
         self.flights: dict[str, Flight] = {}
         self._retired: list[Flight] = []  # removed by a reload, their last run still going
@@ -103,13 +104,13 @@ class Daemon:
         self._wake = asyncio.Event()
         self._stopping = False
         self._reload_requested = False
-        self._slots = asyncio.Semaphore(settings.concurrency)
 
     # -- control, safe to call from signal handlers and other threads via call_soon ----
 
     def stop(self) -> None:
         """Begin draining; a second call changes nothing."""
         self._stopping = True
+        self.runner.drain()
         self._wake.set()
 
     def request_reload(self) -> None:
@@ -275,11 +276,9 @@ class Daemon:
     async def _fly(self, flight: Flight, tick: datetime | None) -> None:
         try:
             while tick is not None and not self._stopping:
-                async with self._slots:
-                    if self._stopping:
-                        self._skip(flight.sweep, tick, "draining")
-                        break
-                    await self.runner.execute(flight.sweep, tick)
+                # The runner takes one of the concurrency slots before it claims.
+                if await self.runner.execute(flight.sweep, tick) == "draining":
+                    break
                 tick, flight.waiting = flight.waiting, None
             if tick is not None and self._stopping:
                 self._skip(flight.sweep, tick, "draining")
@@ -341,7 +340,7 @@ class Daemon:
 
     async def _drain(self) -> None:
         """Stop claiming, let runs finish (heartbeats go on), cancel the rest, release."""
-        self.runner.draining = True
+        self.runner.drain()
         for flight in self.flights.values():
             if flight.waiting is not None:
                 self._skip(flight.sweep, flight.waiting, "draining")

@@ -20,6 +20,9 @@ from sweepd.db.engine import db_now, retry_deadlocks, store_fault
 from sweepd.db.schema import ERROR_LENGTH, UtcDateTime, sweep_runs
 from sweepd.errors import StoreError
 
+# What a row left running by a replica that stopped heartbeating says.
+LOST_ERROR = "the replica running it stopped heartbeating"
+
 Status = Literal["running", "success", "failed", "timeout", "cancelled", "lost"]
 Trigger = Literal["schedule", "manual"]
 
@@ -100,7 +103,7 @@ class _Statements:
             .values(
                 status="lost",
                 finished_at=db_now(),
-                error="the replica running it stopped heartbeating",
+                error=LOST_ERROR,
             )
         )
 

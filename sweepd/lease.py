@@ -96,26 +96,34 @@ class Want:
     tick: datetime | None  # None: a manual run, which only prevents overlap
 
 
-# PostgreSQL claims a batch of ticks in one statement: the same conditions as
-# the single claim, row by row, joined against the wanted ticks. The rows are
-# locked first in name order: two replicas whose batches share rows then wait
-# for each other instead of deadlocking. The final SELECT reads the rows as
-# they were before the UPDATE, which explains each loss (see claim_explained).
-_CLAIM_MANY_POSTGRESQL = text(
-    """
-    WITH wanted AS (
-        SELECT w.name, w.tick, w.micros
+# PostgreSQL claims up to :p_limit of a batch of ticks in one statement: the
+# same conditions as the single claim, row by row, joined against the wanted
+# ticks in this replica's order of preference. SKIP LOCKED passes over rows
+# that another replica is claiming or releasing at that instant, so claimers
+# never wait for each other and never deadlock; such rows (and rows beyond the
+# limit) come back undecided, and are asked for again. The final SELECT reads
+# the rows as they were before the UPDATE, which explains each loss.
+# The CTEs of that claim, shared with the daemon's statement that also
+# writes the run rows (sweepd.ticks): ``wanted`` is the ticks asked for,
+# ``won`` the rows this statement claimed (name, fencing_token).
+CLAIM_UPTO_POSTGRESQL_CTES = """
+    wanted AS (
+        SELECT w.name, w.tick, w.micros, w.ord
         FROM unnest(
             CAST(:p_names AS varchar[]),
             CAST(:p_ticks AS timestamptz[]),
             CAST(:p_micros AS bigint[])
-        ) AS w (name, tick, micros)
+        ) WITH ORDINALITY AS w (name, tick, micros, ord)
     ),
-    locked AS (
+    chosen AS (
         SELECT l.name FROM sweep_leases AS l JOIN wanted AS w ON l.name = w.name
         WHERE l.namespace = :p_namespace
-        ORDER BY l.name
-        FOR UPDATE OF l
+          AND l.expires_at <= statement_timestamp()
+          AND w.tick <= statement_timestamp() + :p_tolerance * interval '1 microsecond'
+          AND (l.tick IS NULL OR l.tick < w.tick)
+        ORDER BY w.ord
+        LIMIT :p_limit
+        FOR UPDATE OF l SKIP LOCKED
     ),
     won AS (
         UPDATE sweep_leases AS l
@@ -127,31 +135,43 @@ _CLAIM_MANY_POSTGRESQL = text(
         FROM wanted AS w
         WHERE l.namespace = :p_namespace
           AND l.name = w.name
-          AND l.name IN (SELECT name FROM locked)
+          AND l.name IN (SELECT name FROM chosen)
           AND l.expires_at <= statement_timestamp()
-          AND w.tick <= statement_timestamp() + :p_tolerance * interval '1 microsecond'
           AND (l.tick IS NULL OR l.tick < w.tick)
         RETURNING l.name, l.fencing_token
     )
-    SELECT w.name, won.fencing_token AS token, l.holder, l.expires_at, l.tick,
-           w.tick > statement_timestamp() + :p_tolerance * interval '1 microsecond' AS early
+"""
+# Per wanted tick: the token if won, else the row as it was before the
+# statement (what explains a loss), and whether that row was open.
+CLAIM_UPTO_POSTGRESQL_OUTCOME = """
+    w.name, won.fencing_token AS token, l.holder, l.expires_at, l.tick,
+    w.tick > statement_timestamp() + :p_tolerance * interval '1 microsecond' AS early,
+    l.expires_at <= statement_timestamp() AND (l.tick IS NULL OR l.tick < w.tick) AS open
+"""
+CLAIM_UPTO_POSTGRESQL_JOINS = """
     FROM wanted AS w
     LEFT JOIN won ON won.name = w.name
     LEFT JOIN sweep_leases AS l ON l.namespace = :p_namespace AND l.name = w.name
-    """
-).columns(
-    name=String(),
-    token=BigInteger(),
-    holder=String(),
-    expires_at=UtcDateTime(),
-    tick=UtcDateTime(),
-    early=Boolean(),
-)
+"""
+CLAIM_UPTO_POSTGRESQL_COLUMNS: dict[str, Any] = {
+    "name": String(),
+    "token": BigInteger(),
+    "holder": String(),
+    "expires_at": UtcDateTime(),
+    "tick": UtcDateTime(),
+    "early": Boolean(),
+    "open": Boolean(),
+}
+_CLAIM_UPTO_POSTGRESQL = text(
+    f"WITH {CLAIM_UPTO_POSTGRESQL_CTES}"
+    f"SELECT {CLAIM_UPTO_POSTGRESQL_OUTCOME}{CLAIM_UPTO_POSTGRESQL_JOINS}"
+).columns(**CLAIM_UPTO_POSTGRESQL_COLUMNS)
 
 
-_RELEASE_MANY_POSTGRESQL = text(
-    """
-    WITH held AS (
+# Releases lock their rows in name order too, so they never deadlock with
+# another replica's claim; ``held`` is the (name, token) pairs to release.
+RELEASE_MANY_POSTGRESQL_CTES = """
+    held AS (
         SELECT h.name, h.token
         FROM unnest(CAST(:p_names AS varchar[]), CAST(:p_tokens AS bigint[])) AS h (name, token)
     ),
@@ -161,6 +181,8 @@ _RELEASE_MANY_POSTGRESQL = text(
         ORDER BY l.name
         FOR UPDATE OF l
     )
+"""
+RELEASE_MANY_POSTGRESQL_UPDATE = """
     UPDATE sweep_leases AS l
     SET expires_at = statement_timestamp()
     FROM held AS h
@@ -170,7 +192,9 @@ _RELEASE_MANY_POSTGRESQL = text(
       AND l.holder = :p_holder
       AND l.fencing_token = h.token
     RETURNING l.name
-    """
+"""
+_RELEASE_MANY_POSTGRESQL = text(
+    f"WITH {RELEASE_MANY_POSTGRESQL_CTES}{RELEASE_MANY_POSTGRESQL_UPDATE}"
 ).columns(name=String())
 
 
@@ -343,43 +367,63 @@ class LeaseStore:
         row = connection.execute(self._sql.explain, params).first()
         return None if row is None else _reason(row, tick)
 
-    def claim_many(self, holder: str, wants: list[Want]) -> list[Claim | StoreError]:
-        """Claim several ticks, each exactly as ``claim`` would; results in ``wants``' order.
+    def claim_upto(
+        self, holder: str, wants: list[Want], limit: int
+    ) -> list[Claim | StoreError | None]:
+        """Claim at most ``limit`` of ``wants``, preferring them in order; results in that order.
 
-        Scheduled ticks are one statement on PostgreSQL, where a failure fails
-        them all and claims none. Elsewhere, and for first claims and manual
-        runs, one claim each, failing on its own: a fault half-way through
-        never hides what was already won.
+        Each result is what ``claim`` would say, a ``StoreError`` for a want
+        that failed on its own, or None: not decided, ask again. On PostgreSQL
+        the scheduled ticks are one statement (a failure fails them all and
+        claims none) and a want is undecided when its row was open but beyond
+        the limit or busy at that instant. Elsewhere the wants are claimed one
+        at a time until ``limit`` are won, and the rest are undecided.
         """
         results: list[Claim | StoreError | None] = [None] * len(wants)
-        batch = [i for i, want in enumerate(wants) if want.tick is not None]
-        if self.engine.dialect.name == "postgresql" and len(batch) > 1:
-            params = {
-                "p_namespace": self.namespace,
-                "p_holder": holder,
-                "p_names": [wants[i].name for i in batch],
-                "p_ticks": [wants[i].tick for i in batch],
-                "p_micros": [wants[i].ttl // _MICRO for i in batch],
-                "p_tolerance": self.clock_tolerance // _MICRO,
-            }
-            try:
-                with self.engine.connect() as connection:
-                    found = connection.execute(_CLAIM_MANY_POSTGRESQL, params)
-                    rows = {row.name: row for row in found}
-            except SQLAlchemyError as error:
-                raise store_fault(
-                    "lease claim", wants[batch[0]].name, self.engine, error
-                ) from error
-            for i in batch:
-                row = rows[wants[i].name]
-                if row.token is not None:
-                    results[i] = Won(token=int(row.token), holder=holder, tick=wants[i].tick)
-                elif row.holder is not None:  # no row yet leaves it to the single claim
-                    results[i] = _reason(row, wants[i].tick)
-        return [
-            self._claim_or_fault(holder, want) if result is None else result
-            for want, result in zip(wants, results, strict=True)
-        ]
+        single = list(range(len(wants)))  # the wants left to claim one at a time
+        if self.engine.dialect.name == "postgresql":
+            batch = [i for i, want in enumerate(wants) if want.tick is not None]
+            found, unseen = self._claim_upto_postgresql(holder, [wants[i] for i in batch], limit)
+            for i, result in zip(batch, found, strict=True):
+                results[i] = result
+            # Left: manual runs, and first claims (no row yet: the single claim inserts it).
+            single = [i for i in single if wants[i].tick is None or wants[i].name in unseen]
+        won = sum(isinstance(result, Won) for result in results)
+        for i in single:
+            if won >= limit:
+                break
+            claimed = self._claim_or_fault(holder, wants[i])
+            results[i] = claimed
+            won += isinstance(claimed, Won)
+        return results
+
+    def _claim_upto_postgresql(
+        self, holder: str, wants: list[Want], limit: int
+    ) -> tuple[list[Claim | None], set[str]]:
+        """The statement's results, and the names that have no lease row yet."""
+        if not wants:
+            return [], set()
+        params = self.claim_upto_params(holder, wants, limit)
+        try:
+            with self.engine.connect() as connection:
+                rows = {r.name: r for r in connection.execute(_CLAIM_UPTO_POSTGRESQL, params)}
+        except SQLAlchemyError as error:
+            raise store_fault("lease claim", wants[0].name, self.engine, error) from error
+        results = [claim_outcome(rows[want.name], holder, want.tick) for want in wants]
+        unseen = {want.name for want in wants if rows[want.name].holder is None}
+        return results, unseen
+
+    def claim_upto_params(self, holder: str, wants: list[Want], limit: int) -> dict[str, Any]:
+        """The bind parameters of ``CLAIM_UPTO_POSTGRESQL_CTES``."""
+        return {
+            "p_namespace": self.namespace,
+            "p_holder": holder,
+            "p_names": [want.name for want in wants],
+            "p_ticks": [want.tick for want in wants],
+            "p_micros": [want.ttl // _MICRO for want in wants],
+            "p_tolerance": self.clock_tolerance // _MICRO,
+            "p_limit": limit,
+        }
 
     def _claim_or_fault(self, holder: str, want: Want) -> Claim | StoreError:
         try:
@@ -453,6 +497,20 @@ class LeaseStore:
             raise store_fault("clock read", None, self.engine, error) from error
         assert isinstance(value, datetime)
         return value
+
+
+def claim_outcome(row: Any, holder: str, tick: datetime | None) -> Claim | None:
+    """One wanted tick's outcome from a ``CLAIM_UPTO_POSTGRESQL_OUTCOME`` row.
+
+    None: not decided, because the lease has no row yet (a first claim,
+    which the single claim makes) or its row was open but beyond the limit
+    or busy at that instant (ask again).
+    """
+    if row.token is not None:
+        return Won(token=int(row.token), holder=holder, tick=tick)
+    if row.holder is None or (row.open and not row.early):
+        return None
+    return _reason(row, tick)
 
 
 def _reason(row: Any, tick: datetime | None) -> Lost:

@@ -22,47 +22,18 @@ from typing import Any, Literal
 from sweepd.clock import Clock
 from sweepd.context import SweepContext
 from sweepd.errors import StoreError
-from sweepd.history import History, Start, Status, Trigger, describe_error
-from sweepd.lease import Claim, LeaseStore, Lost, Want, Won
+from sweepd.history import History, Status, Trigger, describe_error
+from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.model import SweepDef
 from sweepd.offload import Batcher, bounded
+from sweepd.slots import Slots
+from sweepd.ticks import Ask, Hand, Opened, Row, Started, TickStore
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
 
 
 def iso(instant: datetime | None) -> str | None:
     return None if instant is None else instant.isoformat().replace("+00:00", "Z")
-
-
-Started = int | str  # an attempt's run id, or why its row could not be written
-
-
-@dataclass(frozen=True)
-class Ask:
-    """One flight asking to run a tick: claim it and, if won, start its row."""
-
-    sweep: SweepDef
-    tick: datetime | None
-    trigger: Trigger
-
-
-@dataclass(frozen=True)
-class Hand:
-    """One flight handing a run back: finish its last row, release its lease."""
-
-    sweep: SweepDef
-    token: int
-    ended: Ended | None
-
-
-@dataclass
-class Opened:
-    """What the claim hop found: the claim, and for a won one, its first row."""
-
-    claim: Claim
-    lost_runs: int = 0  # older rows of this sweep found still running, now marked lost
-    lost_error: str | None = None
-    started: Started | None = None  # set for a won claim
 
 
 @dataclass
@@ -76,7 +47,7 @@ class Ended:
     duration: float
     log: Any
 
-    def row(self) -> tuple[int, str, Status, str | None]:
+    def row(self) -> Row:
         return self.run_id, self.name, self.status, self.message
 
 
@@ -101,6 +72,7 @@ class Runner:
         clock: Clock,
         log: Any,
         stats: Counter[str],
+        concurrency: int = 4,
     ) -> None:
         self.store = store
         self.history = history
@@ -115,8 +87,11 @@ class Runner:
         self.draining = False
         self.unfinished: list[tuple[int, str, Status, str | None]] = []  # endings not yet written
         self._probing: asyncio.Task[None] | None = None
-        self._opens = Batcher(self._open_many)
-        self._closes = Batcher(self._close_many)
+        self.ticks = TickStore(store, history, holder)
+        self._slots: Slots[Ask, Opened] = Slots(
+            concurrency, self.ticks.open_upto, holds=lambda opened: isinstance(opened.claim, Won)
+        )
+        self._closes = Batcher(self.ticks.close_many)
 
     # -- one tick ----------------------------------------------------------------------
 
@@ -130,19 +105,43 @@ class Runner:
         if self.unfinished:
             await self.settle()
         try:
-            opened = await self._opens.submit(Ask(sweep, tick, trigger))
+            opened = await self._slots.take(Ask(sweep, tick, trigger))
         except StoreError as error:
             # Loud: every replica failing here is a sweep that silently stopped.
             self.stats["lease_errors"] += 1
             self.stats["ticks_failed"] += 1
             log.error("lease.error", operation="claim", error=str(error), transient=error.transient)
             return "lease_error"
-        outcome = opened.claim
-        if isinstance(outcome, Lost):
+        if opened is None:
+            return "draining"  # the daemon began draining while this tick waited for a slot
+        if isinstance(opened.claim, Lost):
             return self._skip(
-                log, outcome.reason, held_by=outcome.holder, expires_at=iso(outcome.expires_at)
+                log,
+                opened.claim.reason,
+                held_by=opened.claim.holder,
+                expires_at=iso(opened.claim.expires_at),
             )
-        token = outcome.token
+        try:
+            return await self._run(sweep, tick, trigger, opened, opened.claim, log)
+        finally:
+            self._slots.give_back()  # a won claim took a slot; a lost one never had one
+
+    def drain(self) -> None:
+        """Claim nothing more: ticks waiting for a slot are answered ``draining``, no retries."""
+        self.draining = True
+        self._slots.drain()
+
+    async def _run(
+        self,
+        sweep: SweepDef,
+        tick: datetime | None,
+        trigger: Trigger,
+        opened: Opened,
+        won: Won,
+        log: Any,
+    ) -> str:
+        """Run a won tick in its slot: attempts, heartbeat, then finish and release."""
+        token = won.token
         log = log.bind(fencing_token=token)
         self.stats["ticks_claimed"] += 1
         log.info("tick.claimed", lateness=self._lateness(tick))
@@ -199,46 +198,6 @@ class Runner:
 
     # -- the database side of a run, one thread hop at each end ----------------------------
 
-    def _open_many(self, asks: list[Ask]) -> list[Opened | StoreError]:
-        """Claim each ask's tick; for those won, mark stale rows lost and write the first row.
-
-        One thread hop for every flight that asked in the same turn of the
-        loop, and on PostgreSQL one statement for each of the three steps.
-        Only a claim's failure fails its ask; the other two are reported, so a
-        won lease is always released.
-        """
-        wants = [Want(ask.sweep.name, ask.sweep.ttl, ask.tick) for ask in asks]
-        claims = self.store.claim_many(self.holder, wants)
-        results: list[Opened | StoreError] = [
-            claim if isinstance(claim, StoreError) else Opened(claim) for claim in claims
-        ]
-        won = [
-            (ask, opened, opened.claim)
-            for ask, opened in zip(asks, results, strict=True)
-            if isinstance(opened, Opened) and isinstance(opened.claim, Won)
-        ]
-        if not won:
-            return results
-        try:
-            lost = self.history.mark_lost_many({ask.sweep.name: c.token for ask, _, c in won})
-        except StoreError as error:
-            for _, opened, _ in won:
-                opened.lost_error = str(error)
-        else:
-            for ask, opened, _ in won:
-                opened.lost_runs = lost.get(ask.sweep.name, 0)
-        starts = [
-            Start(ask.sweep.name, ask.tick, self.holder, claim.token, 1, ask.trigger)
-            for ask, _, claim in won
-        ]
-        try:
-            ids: list[Started] = list(self.history.start_many(starts))
-        except StoreError as error:
-            ids = [str(error)] * len(won)
-        for (_, opened, _), started in zip(won, ids, strict=True):
-            opened.started = started
-        return results
-
     async def _start(
         self, sweep: SweepDef, tick: datetime | None, token: int, attempt: int, trigger: Trigger
     ) -> Started:
@@ -260,30 +219,13 @@ class Runner:
     async def _close(self, sweep: SweepDef, token: int, ended: Ended | None) -> bool:
         """Finish the last attempt's row and release the lease; True if released."""
         try:
-            failed, released = await self._closes.submit(Hand(sweep, token, ended))
+            ending = None if ended is None else ended.row()
+            failed, released = await self._closes.submit(Hand(sweep.name, token, ending))
         except StoreError as error:
             failed, released = str(error), False
         if ended is not None:
             self._finished(ended, failed)
         return released
-
-    def _close_many(self, hands: list[Hand]) -> list[tuple[str | None, bool] | StoreError]:
-        """The rows first, then the leases: a lease freed before its row is
-        finished would let the next holder mark a finished run lost."""
-        endings = [hand.ended.row() for hand in hands if hand.ended is not None]
-        failed = None
-        if endings:
-            try:
-                self.history.finish_many(endings)
-            except StoreError as error:
-                failed = str(error)
-        released = self.store.release_many(
-            self.holder, [(hand.sweep.name, hand.token) for hand in hands]
-        )
-        return [
-            (failed if hand.ended is not None else None, freed)
-            for hand, freed in zip(hands, released, strict=True)
-        ]
 
     def _finished(self, ended: Ended, failed: str | None) -> None:
         """Log the attempt's end once its row says so (or could not be made to)."""

@@ -232,10 +232,12 @@ def test_batch_claims_give_each_tick_of_each_lease_one_winner(
     fakeclock: Path,
     tmp_path: Path,
 ) -> None:
-    """Every racer claims and releases each tick of the same leases in one batch each.
+    """Every racer claims each tick of the same leases in batches, then releases its wins.
 
-    On PostgreSQL that is one statement per batch, whose rows two racers
-    could lock in opposite orders; a deadlock would show up as an error here.
+    On PostgreSQL each batch is one statement that skips rows busy at that
+    instant and wins at most a quarter of the leases; the racer asks again
+    for what it left undecided. Each racer prefers its own order, and the
+    releases lock rows too: a deadlock or a wait would show up as an error.
     A racer does not retry a lease it found held, so a tick may go unwon when
     every racer met the previous tick's holder; no tick may be won twice.
     """

@@ -1,0 +1,134 @@
+"""The ``concurrency`` slots, handed out by claiming ticks in batches.
+
+A tick waiting for a slot holds no lease (§5), so a replica may only claim
+as many ticks as it has free slots. But a replica that claims every due tick
+one at a time, each in a slot, spends most of a burst losing claims that
+other replicas already won. So flights hand their ticks in here, and the
+slots claim for them: with ``k`` slots free, one call asks the database for
+at most ``k`` of all the ticks waiting, in the replica's order. Those won
+take the slots; those lost (already run, held, early) are answered at once
+and never took one; the rest wait for the next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from sweepd.errors import StoreError
+from sweepd.offload import bounded
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+# How many waiting ticks one call looks at, per free slot. Enough that a call
+# usually fills its slots even when most rows were already won by other
+# replicas; not all of them, because a call's cost grows with what it sends
+# and reads back, and a burst of hundreds would resend the whole queue for
+# every few slots.
+LOOKAHEAD = 4
+# After a call that decided nothing (every open row was busy at that
+# instant), how long to wait before asking again.
+RETRY_SECONDS = 0.002
+
+
+class Slots(Generic[Item, Result]):
+    """``size`` slots; ``claim(items, limit)`` decides at most ``limit`` wins.
+
+    ``claim`` runs on a worker thread and returns, per item in order, a
+    result, a ``StoreError`` for an item that failed on its own, or None for
+    one not decided yet. ``holds(result)`` says whether a result won a slot.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        claim: Callable[[list[Item], int], list[Result | StoreError | None]],
+        holds: Callable[[Result], bool],
+    ) -> None:
+        self.free = size
+        self.claim = claim
+        self.holds = holds
+        self.draining = False
+        self._waiting: list[tuple[Item, asyncio.Future[Result | None]]] = []
+        self._calling: asyncio.Task[None] | None = None
+
+    async def take(self, item: Item) -> Result | None:
+        """The claim's result for ``item``, or None if draining began before it was decided.
+
+        A result that ``holds`` a slot keeps it until ``give_back``.
+        """
+        if self.draining:
+            return None
+        future: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, future))
+        if len(self._waiting) == 1:
+            # At the end of this turn, so every flight that fires in it goes in one call.
+            asyncio.get_running_loop().call_soon(self._wake)
+        return await future
+
+    def give_back(self) -> None:
+        self.free += 1
+        self._wake()
+
+    def drain(self) -> None:
+        """Answer every waiting tick with None; what is being claimed now still comes back."""
+        self.draining = True
+        waiting, self._waiting = self._waiting, []
+        for _, future in waiting:
+            if not future.done():
+                future.set_result(None)
+
+    def _wake(self) -> None:
+        if self._calling is None and self._waiting and self.free > 0 and not self.draining:
+            self._calling = asyncio.ensure_future(self._call())
+
+    async def _call(self) -> None:
+        """Calls one at a time, each for every slot free when it leaves.
+
+        Overlapping calls (one per slot as it frees) were measured: the same
+        lateness, for twice the statements (docs/performance.md).
+        """
+        try:
+            while self._waiting and self.free > 0 and not self.draining:
+                self._waiting = [(i, f) for i, f in self._waiting if not f.done()]
+                if not self._waiting:
+                    break
+                limit, self.free = self.free, 0  # reserved while the call is out
+                batch = self._waiting[: limit * LOOKAHEAD]
+                try:
+                    results = await bounded(self.claim, [item for item, _ in batch], limit)
+                except StoreError as error:
+                    results = [error] * len(batch)
+                self.free += limit - self._answer(batch, results)
+                # Ticks that came while the call was out wait behind those still undecided.
+                undecided = [w for w, r in zip(batch, results, strict=True) if r is None]
+                self._waiting = undecided + self._waiting[len(batch) :]
+                if len(undecided) == len(batch):
+                    # Every open row was busy at that instant: ask again shortly.
+                    await asyncio.sleep(RETRY_SECONDS)
+        finally:
+            self._calling = None
+
+    def _answer(
+        self,
+        batch: list[tuple[Item, asyncio.Future[Result | None]]],
+        results: list[Result | StoreError | None],
+    ) -> int:
+        """Settle each decided future; return how many slots the results hold."""
+        held = 0
+        for (_, future), result in zip(batch, results, strict=True):
+            if result is None:
+                continue
+            if isinstance(result, StoreError):
+                if not future.done():
+                    future.set_exception(result)
+                continue
+            if self.holds(result):
+                if future.done():
+                    continue  # its flight is gone; the lease frees itself at its expiry
+                held += 1
+            if not future.done():
+                future.set_result(result)
+        return held

@@ -1,0 +1,155 @@
+"""The slots: claims go out in batches no bigger than the free slots, and a
+tick waiting for a slot holds nothing (§5)."""
+
+import asyncio
+
+import pytest
+
+from sweepd.errors import StoreError
+from sweepd.slots import LOOKAHEAD, Slots
+
+
+class Database:
+    """A fake claim: names in ``taken`` are lost, others won while the limit lasts.
+
+    ``busy`` names are left undecided the first ``busy_calls`` times they are asked for.
+    """
+
+    def __init__(self, taken: frozenset[str] = frozenset(), busy_calls: int = 0) -> None:
+        self.taken = taken
+        self.busy_calls = busy_calls
+        self.calls: list[tuple[list[str], int]] = []
+        self.fail = False
+
+    def claim(self, items: list[str], limit: int) -> list[str | StoreError | None]:
+        self.calls.append((list(items), limit))
+        if self.fail:
+            raise StoreError("the database is gone", transient=True)
+        out: list[str | StoreError | None] = []
+        won = 0
+        for item in items:
+            if item in self.taken:
+                out.append("lost")
+            elif len(self.calls) <= self.busy_calls or won >= limit:
+                out.append(None)
+            else:
+                won += 1
+                out.append("won")
+        return out
+
+
+def slots_for(database: Database, size: int) -> Slots[str, str]:
+    return Slots(size, database.claim, holds=lambda result: result == "won")
+
+
+def test_no_more_than_size_are_won_until_slots_come_back() -> None:
+    database = Database()
+
+    async def scenario() -> tuple[list[str | None], list[str | None], list[str | None]]:
+        slots = slots_for(database, 2)
+        tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(5)]
+        await asyncio.sleep(0.05)
+        first = [t.result() for t in tasks if t.done()]
+        assert slots.free == 0
+        slots.give_back()
+        slots.give_back()
+        await asyncio.sleep(0.05)
+        second = [t.result() for t in tasks if t.done()]
+        slots.give_back()
+        slots.give_back()
+        await asyncio.sleep(0.05)
+        return first, second, [t.result() for t in tasks]
+
+    first, second, last = asyncio.run(scenario())
+    assert first == ["won", "won"]
+    assert second == ["won"] * 4
+    assert last == ["won"] * 5
+    assert all(limit <= 2 for _, limit in database.calls)
+    # The first call went out once, at the end of the turn, with every tick waiting.
+    assert database.calls[0] == (["s0", "s1", "s2", "s3", "s4"], 2)
+
+
+def test_lost_ticks_are_answered_without_a_slot() -> None:
+    database = Database(taken=frozenset({"s0", "s1", "s2"}))
+
+    async def scenario() -> tuple[list[str | None], int]:
+        slots = slots_for(database, 1)
+        results = await asyncio.gather(
+            slots.take("s0"), slots.take("s1"), slots.take("s2"), slots.take("s3")
+        )
+        return list(results), slots.free
+
+    results, free = asyncio.run(scenario())
+    assert results == ["lost", "lost", "lost", "won"]
+    assert free == 0  # the one won holds its slot until given back
+    assert len(database.calls) == 1
+
+
+def test_a_call_looks_at_no_more_than_the_lookahead() -> None:
+    database = Database(taken=frozenset(f"s{i}" for i in range(10)))
+
+    async def scenario() -> None:
+        slots = slots_for(database, 1)
+        await asyncio.gather(*(slots.take(f"s{i}") for i in range(10)))
+
+    asyncio.run(scenario())
+    assert [len(items) for items, _ in database.calls] == [LOOKAHEAD, LOOKAHEAD, 10 - 2 * LOOKAHEAD]
+
+
+def test_undecided_ticks_are_asked_for_again() -> None:
+    database = Database(busy_calls=2)
+
+    async def scenario() -> str | None:
+        return await slots_for(database, 1).take("s0")
+
+    assert asyncio.run(scenario()) == "won"
+    assert len(database.calls) == 3
+
+
+def test_a_failed_call_fails_its_ticks_and_frees_the_slots() -> None:
+    database = Database()
+    database.fail = True
+
+    async def scenario() -> tuple[list[str | BaseException | None], int]:
+        slots = slots_for(database, 2)
+        results = await asyncio.gather(slots.take("s0"), slots.take("s1"), return_exceptions=True)
+        return list(results), slots.free
+
+    results, free = asyncio.run(scenario())
+    assert all(isinstance(result, StoreError) for result in results)
+    assert free == 2
+
+
+def test_draining_answers_the_waiting_ticks_with_none() -> None:
+    database = Database()
+
+    async def scenario() -> list[str | None]:
+        slots = slots_for(database, 1)
+        tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        slots.drain()
+        late = await slots.take("s9")
+        assert late is None
+        return [await task for task in tasks]
+
+    assert asyncio.run(scenario()) == ["won", None, None]
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_cancelled_waiter_is_not_claimed_for(size: int) -> None:
+    database = Database()
+
+    async def scenario() -> None:
+        slots = slots_for(database, size)
+        blocker = [asyncio.ensure_future(slots.take(f"b{i}")) for i in range(size)]
+        await asyncio.sleep(0.05)  # every slot held
+        doomed = asyncio.ensure_future(slots.take("doomed"))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        await asyncio.sleep(0)
+        slots.give_back()
+        await asyncio.sleep(0.05)
+        assert all(task.done() for task in blocker)
+
+    asyncio.run(scenario())
+    assert all("doomed" not in items for items, _ in database.calls)
