@@ -63,6 +63,18 @@ class Attempt:
     reason: CancelReason | None = None  # why it was stopped, when it was
 
 
+class _Slot:
+    """One run's hold on a slot, given back once however many paths try."""
+
+    def __init__(self, slots: Slots[Ask, Opened]) -> None:
+        self._slots: Slots[Ask, Opened] | None = slots
+
+    def give_back(self) -> None:
+        if self._slots is not None:
+            self._slots.give_back()
+            self._slots = None
+
+
 class Runner:
     def __init__(
         self,
@@ -85,7 +97,7 @@ class Runner:
         self.store_healthy = True
         self.inflight: dict[str, Attempt] = {}
         self.draining = False
-        self.unfinished: list[tuple[int, str, Status, str | None]] = []  # endings not yet written
+        self.unfinished: list[Row] = []  # endings not yet written
         self._probing: asyncio.Task[None] | None = None
         self.ticks = TickStore(store, history, holder)
         self._slots: Slots[Ask, Opened] = Slots(
@@ -121,10 +133,15 @@ class Runner:
                 held_by=opened.claim.holder,
                 expires_at=iso(opened.claim.expires_at),
             )
+        # A won claim took a slot (a lost one never had one). It is given back
+        # as soon as the sweep's code is done, before its row is finished and
+        # its lease released: the slot bounds running code, and the sweep's
+        # next tick still waits for the release, in this flight.
+        slot = _Slot(self._slots)
         try:
-            return await self._run(sweep, tick, trigger, opened, opened.claim, log)
+            return await self._run(sweep, tick, trigger, opened, opened.claim, log, slot)
         finally:
-            self._slots.give_back()  # a won claim took a slot; a lost one never had one
+            slot.give_back()
 
     def drain(self) -> None:
         """Claim nothing more: ticks waiting for a slot are answered ``draining``, no retries."""
@@ -139,6 +156,7 @@ class Runner:
         opened: Opened,
         won: Won,
         log: Any,
+        slot: _Slot,
     ) -> str:
         """Run a won tick in its slot: attempts, heartbeat, then finish and release."""
         token = won.token
@@ -187,6 +205,7 @@ class Runner:
                 if self.draining or lease_lost.is_set():
                     break
         finally:
+            slot.give_back()
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             released = await self._close(sweep, token, ended)
@@ -196,7 +215,7 @@ class Runner:
                 log.warning("lease.release_failed", note="the lease frees itself at its expiry")
         return status
 
-    # -- the database side of a run, one thread hop at each end ----------------------------
+    # -- the database side of a run: retries' rows, and the closing hop ---------------------
 
     async def _start(
         self, sweep: SweepDef, tick: datetime | None, token: int, attempt: int, trigger: Trigger
