@@ -96,10 +96,10 @@ class Daemon:
         self._seq = 0
         self._generation: dict[str, int] = {}
         # Each replica walks the sweeps due at one instant in an order of its
-        # own. In one shared order every replica would claim the same row at
-        # the same moment and the losers would wait on the winner's commit;
-        # in different orders each mostly finds its next row free or already
-        # decided, and a burst is spread over the replicas sooner.
+        # own. In one shared order every replica would ask for the same rows
+        # first and most claims would find them taken; in different orders
+        # each mostly finds its first choices free, and a burst is spread
+        # over the replicas sooner.
         self._rank: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._stopping = False

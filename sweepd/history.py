@@ -91,12 +91,6 @@ class _Statements:
             c.name.in_(bindparam("p_names", expanding=True)),
             c.status == "running",
         )
-        self.stale = select(c.id).where(
-            c.namespace == bindparam("p_namespace"),
-            c.name == bindparam("p_name"),
-            c.status == "running",
-            c.fencing_token < bindparam("p_token"),
-        )
         self.mark_lost = (
             update(sweep_runs)
             .where(c.id.in_(bindparam("p_ids", expanding=True)), c.status == "running")
@@ -203,9 +197,13 @@ class History:
             raise store_fault("run finish", endings[0][1], self.engine, error_) from error_
 
     def mark_lost_many(self, claimed: dict[str, int]) -> dict[str, int]:
-        """``mark_lost`` for several just-claimed sweeps (name -> new token): rows marked, per sweep."""
+        """Rows of just-claimed sweeps (name -> new token) left ``running`` under an
+        older token: their holder is gone, so they are marked lost; how many, per sweep."""
 
         def mark() -> dict[str, int]:
+            # Ids first, then an UPDATE by primary key: an UPDATE searching by
+            # (namespace, status) would lock the index entries of every running
+            # sweep and deadlock with their own finish on MySQL.
             with self.engine.connect() as connection:
                 found = connection.execute(
                     _SQL.stale_of, {"p_namespace": self.namespace, "p_names": list(claimed)}
@@ -223,27 +221,6 @@ class History:
             return retry_deadlocks(mark)
         except SQLAlchemyError as error:
             raise store_fault("mark lost", next(iter(claimed)), self.engine, error) from error
-
-    def mark_lost(self, name: str, token: int) -> int:
-        """Rows of ``name`` left ``running`` under an older token: their holder is gone."""
-
-        def mark() -> int:
-            # Ids first, then an UPDATE by primary key: an UPDATE searching by
-            # (namespace, status) would lock the index entries of every running
-            # sweep and deadlock with their own finish on MySQL.
-            with self.engine.connect() as connection:
-                found = connection.execute(
-                    _SQL.stale, {"p_namespace": self.namespace, "p_name": name, "p_token": token}
-                )
-                ids = list(found.scalars())
-                if not ids:
-                    return 0
-                return int(connection.execute(_SQL.mark_lost, {"p_ids": ids}).rowcount)
-
-        try:
-            return retry_deadlocks(mark)
-        except SQLAlchemyError as error:
-            raise store_fault("mark lost", name, self.engine, error) from error
 
     def prune(self, keep: timedelta) -> int:
         """Delete finished rows that started longer than ``keep`` ago (database clock)."""

@@ -99,13 +99,12 @@ class Want:
 # PostgreSQL claims up to :p_limit of a batch of ticks in one statement: the
 # same conditions as the single claim, row by row, joined against the wanted
 # ticks in this replica's order of preference. SKIP LOCKED passes over rows
-# that another replica is claiming or releasing at that instant, so claimers
-# never wait for each other and never deadlock; such rows (and rows beyond the
-# limit) come back undecided, and are asked for again. The final SELECT reads
-# the rows as they were before the UPDATE, which explains each loss.
-# The CTEs of that claim, shared with the daemon's statement that also
-# writes the run rows (sweepd.ticks): ``wanted`` is the ticks asked for,
-# ``won`` the rows this statement claimed (name, fencing_token).
+# that another replica is claiming or releasing at that instant, so a claimer
+# never waits and never deadlocks; such rows, and rows beyond the limit, come
+# back undecided and are asked for again. The final SELECT reads the rows as
+# they were before the UPDATE, which explains each loss. The CTEs are shared
+# with the daemon's statement that also writes the run rows (sweepd.ticks):
+# ``wanted`` is the ticks asked for, ``won`` the rows claimed (name, token).
 CLAIM_UPTO_POSTGRESQL_CTES = """
     wanted AS (
         SELECT w.name, w.tick, w.micros, w.ord
@@ -168,8 +167,9 @@ _CLAIM_UPTO_POSTGRESQL = text(
 ).columns(**CLAIM_UPTO_POSTGRESQL_COLUMNS)
 
 
-# Releases lock their rows in name order too, so they never deadlock with
-# another replica's claim; ``held`` is the (name, token) pairs to release.
+# A batch release locks its rows in name order, so that no two statements
+# that wait for row locks can wait on each other in a cycle (a claim never
+# waits: SKIP LOCKED); ``held`` is the (name, token) pairs to release.
 RELEASE_MANY_POSTGRESQL_CTES = """
     held AS (
         SELECT h.name, h.token
@@ -462,8 +462,8 @@ class LeaseStore:
     def release_many(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
         """``release`` for several (name, token) leases of ``holder``; never raises.
 
-        One statement on PostgreSQL, locking its rows in the same name order
-        as a batch claim, so the two never deadlock; one release each elsewhere.
+        One statement on PostgreSQL (rows locked in name order); one release
+        each elsewhere.
         """
         if self.engine.dialect.name != "postgresql" or len(held) < 2:
             return [self.release(name, holder, token) for name, token in held]

@@ -5,9 +5,10 @@ as many ticks as it has free slots. But a replica that claims every due tick
 one at a time, each in a slot, spends most of a burst losing claims that
 other replicas already won. So flights hand their ticks in here, and the
 slots claim for them: with ``k`` slots free, one call asks the database for
-at most ``k`` of all the ticks waiting, in the replica's order. Those won
-take the slots; those lost (already run, held, early) are answered at once
-and never took one; the rest wait for the next call.
+at most ``k`` of the first ``LOOKAHEAD * k`` ticks waiting, in the replica's
+order. Those won take the slots; those lost (already run, held, early) are
+answered at once and never took one; the rest wait for the next call, which
+leaves when this one is back and a slot is free.
 """
 
 from __future__ import annotations

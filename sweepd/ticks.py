@@ -224,7 +224,7 @@ class TickStore:
     def close_many(self, hands: list[Hand]) -> list[tuple[str | None, bool] | StoreError]:
         """Finish each hand's row, then release its lease; per hand, why its row could
         not be finished (or None) and whether its lease was released."""
-        if self._postgresql and len(hands) > 0:
+        if self._postgresql:
             return self._close_postgresql(hands)
         endings = [hand.ending for hand in hands if hand.ending is not None]
         failed = None
