@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 SLOTS = 2
 SWEEPS = 6
 RUN_SECONDS = 0.4
-WINDOW_SECONDS = 5.0
+WINDOW_SECONDS = 6.0
 
 
 def most_at_once(runs: list[dict[str, object]]) -> int:
@@ -60,12 +60,13 @@ def test_each_replica_runs_at_most_concurrency_sweeps_at_once(
     assert overlaps(runs) == []
     ran = [(r["sweep"], r["tick"]) for r in runs if r["event"] == "start"]
     assert len(ran) == len(set(ran)), "a tick ran twice"
-    # Four slots in all for six 0.4 s runs a second: every whole second in the
-    # window ran all six sweeps (the first and last ticks may be cut off).
+    # Four slots in all for six 0.4 s runs a second: every tick in the window
+    # ran all six sweeps. The first tick may be cut off by the start, and the
+    # last two by the drain, which drops the ticks still waiting for a slot.
     ticks: dict[str, set[str]] = {}
     for name, tick in ran:
         ticks.setdefault(str(tick), set()).add(str(name))
-    inner = sorted(ticks)[1:-1]
+    inner = sorted(ticks)[1:-2]
     assert len(inner) >= 2, sorted(ticks)
     for tick in inner:
         assert len(ticks[tick]) == SWEEPS, (tick, sorted(ticks[tick]))
