@@ -172,19 +172,11 @@ class History:
 
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended (only while the row still says ``running``)."""
-        params = {"p_id": run_id, "p_status": status, "p_error": error}
-
-        def write() -> None:
-            with self.engine.connect() as connection:
-                connection.execute(_SQL.finish, params)
-
-        try:
-            retry_deadlocks(write)
-        except SQLAlchemyError as error_:
-            raise store_fault("run finish", name, self.engine, error_) from error_
+        self.finish_many([(run_id, name, status, error)])
 
     def finish_many(self, endings: list[tuple[int, str, Status, str | None]]) -> None:
-        """``finish`` for several runs, sent together (pipelined by psycopg)."""
+        """``finish`` for several runs (run id, sweep, status, error), sent together
+        (pipelined by psycopg)."""
         params = [{"p_id": i, "p_status": status, "p_error": e} for i, _, status, e in endings]
 
         def write() -> None:

@@ -139,7 +139,7 @@ class Runner:
         # next tick still waits for the release, in this flight.
         slot = _Slot(self._slots)
         try:
-            return await self._run(sweep, tick, trigger, opened, opened.claim, log, slot)
+            return await self._run(sweep, tick, trigger, opened, log, slot)
         finally:
             slot.give_back()
 
@@ -154,12 +154,12 @@ class Runner:
         tick: datetime | None,
         trigger: Trigger,
         opened: Opened,
-        won: Won,
         log: Any,
         slot: _Slot,
     ) -> str:
         """Run a won tick in its slot: attempts, heartbeat, then finish and release."""
-        token = won.token
+        assert isinstance(opened.claim, Won)
+        token = opened.claim.token
         log = log.bind(fencing_token=token)
         self.stats["ticks_claimed"] += 1
         log.info("tick.claimed", lateness=self._lateness(tick))

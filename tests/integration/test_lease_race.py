@@ -193,6 +193,19 @@ def test_every_tick_has_exactly_one_winner_across_skewed_processes(
 FIRST_CLAIMS = 20  # new leases whose very first claim the racers fight over
 
 
+def race_without_errors(
+    url: str, tmp_path: Path, shim: Path, extra: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Migrate ``url``, race on it with ``extra`` arguments, and check no racer met an error."""
+    migrate.upgrade(url)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    reports, _ = run_race(url, barrier, shim, extra)
+    errors = [error for report in reports for error in report["errors"]]
+    assert errors == [], f"{len(errors)} claims failed, e.g. {errors[0]}"
+    return reports
+
+
 def test_racing_the_first_claim_ever_is_a_lost_race_not_an_error(
     dialect: str,
     make_database: Callable[[str], str],
@@ -204,15 +217,9 @@ def test_racing_the_first_claim_ever_is_a_lost_race_not_an_error(
     The tick race above meets this only once, on its first tick, so it misses it often;
     twenty new leases make the collision all but certain.
     """
-    url = make_database(dialect)
-    migrate.upgrade(url)
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
-
-    reports, _ = run_race(url, barrier, fakeclock, ("--first-claims", str(FIRST_CLAIMS)))
-
-    errors = [error for report in reports for error in report["errors"]]
-    assert errors == [], f"{len(errors)} first claims failed, e.g. {errors[0]}"
+    reports = race_without_errors(
+        make_database(dialect), tmp_path, fakeclock, ("--first-claims", str(FIRST_CLAIMS))
+    )
     outcomes: dict[str, list[dict[str, Any]]] = {}
     for report in reports:
         for claim in report["first_claims"]:
@@ -241,15 +248,9 @@ def test_batch_claims_give_each_tick_of_each_lease_one_winner(
     A racer does not retry a lease it found held, so a tick may go unwon when
     every racer met the previous tick's holder; no tick may be won twice.
     """
-    url = make_database(dialect)
-    migrate.upgrade(url)
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
-
-    reports, _ = run_race(url, barrier, fakeclock, ("--batch", str(BATCH_LEASES)))
-
-    errors = [error for report in reports for error in report["errors"]]
-    assert errors == [], f"{len(errors)} batch claims failed, e.g. {errors[0]}"
+    reports = race_without_errors(
+        make_database(dialect), tmp_path, fakeclock, ("--batch", str(BATCH_LEASES))
+    )
     winners: dict[tuple[str, int], list[int]] = {}
     for report in reports:
         for win in report["wins"]:
