@@ -14,6 +14,7 @@ leaves when this one is back and a slot is free.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -52,7 +53,7 @@ class Slots(Generic[Item, Result]):
         self.claim = claim
         self.holds = holds
         self.draining = False
-        self._waiting: list[tuple[Item, asyncio.Future[Result | None]]] = []
+        self._waiting: deque[tuple[Item, asyncio.Future[Result | None]]] = deque()
         self._calling: asyncio.Task[None] | None = None
 
     async def take(self, item: Item) -> Result | None:
@@ -76,7 +77,7 @@ class Slots(Generic[Item, Result]):
     def drain(self) -> None:
         """Answer every waiting tick with None; what is being claimed now still comes back."""
         self.draining = True
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting = self._waiting, deque()
         for _, future in waiting:
             if not future.done():
                 future.set_result(None)
@@ -92,12 +93,11 @@ class Slots(Generic[Item, Result]):
         lateness, for twice the statements (docs/performance.md).
         """
         try:
-            while self._waiting and self.free > 0 and not self.draining:
-                self._waiting = [(i, f) for i, f in self._waiting if not f.done()]
-                if not self._waiting:
+            while self.free > 0 and not self.draining:
+                batch = self._next(self.free * LOOKAHEAD)
+                if not batch:
                     break
                 limit, self.free = self.free, 0  # reserved while the call is out
-                batch = self._waiting[: limit * LOOKAHEAD]
                 try:
                     results = await bounded(self.claim, [item for item, _ in batch], limit)
                 except StoreError as error:
@@ -105,12 +105,21 @@ class Slots(Generic[Item, Result]):
                 self.free += limit - self._answer(batch, results)
                 # Ticks that came while the call was out wait behind those still undecided.
                 undecided = [w for w, r in zip(batch, results, strict=True) if r is None]
-                self._waiting = undecided + self._waiting[len(batch) :]
+                self._waiting.extendleft(reversed(undecided))
                 if len(undecided) == len(batch):
                     # Every open row was busy at that instant: ask again shortly.
                     await asyncio.sleep(RETRY_SECONDS)
         finally:
             self._calling = None
+
+    def _next(self, most: int) -> list[tuple[Item, asyncio.Future[Result | None]]]:
+        """Take up to ``most`` waiting ticks off the front, dropping those whose flight is gone."""
+        batch: list[tuple[Item, asyncio.Future[Result | None]]] = []
+        while self._waiting and len(batch) < most:
+            waiter = self._waiting.popleft()
+            if not waiter[1].done():
+                batch.append(waiter)
+        return batch
 
     def _answer(
         self,
