@@ -77,6 +77,9 @@ class Slots(Generic[Item, Result]):
     def drain(self) -> None:
         """Answer every waiting tick with None; what is being claimed now still comes back."""
         self.draining = True
+        self._dismiss()
+
+    def _dismiss(self) -> None:
         waiting, self._waiting = self._waiting, deque()
         for _, future in waiting:
             if not future.done():
@@ -106,6 +109,9 @@ class Slots(Generic[Item, Result]):
                 # Ticks that came while the call was out wait behind those still undecided.
                 undecided = [w for w, r in zip(batch, results, strict=True) if r is None]
                 self._waiting.extendleft(reversed(undecided))
+                if self.draining:
+                    # Out in the call when drain() answered the queue: answer them now.
+                    self._dismiss()
                 if len(undecided) == len(batch):
                     # Every open row was busy at that instant: ask again shortly.
                     await asyncio.sleep(RETRY_SECONDS)

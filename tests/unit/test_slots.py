@@ -2,6 +2,7 @@
 tick waiting for a slot holds nothing (§5)."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -153,3 +154,26 @@ def test_a_cancelled_waiter_is_not_claimed_for(size: int) -> None:
 
     asyncio.run(scenario())
     assert all("doomed" not in items for items, _ in database.calls)
+
+
+def test_ticks_out_in_a_claim_when_draining_begins_are_answered() -> None:
+    # The won one runs (dropping it would strand a lease until its TTL); the
+    # undecided ones are answered None, so no flight waits forever.
+    database = Database()
+    gate = threading.Event()
+    claim = database.claim
+
+    def slow_claim(items: list[str], limit: int) -> list[str | StoreError | None]:
+        gate.wait(5)
+        return claim(items, limit)
+
+    async def scenario() -> list[str | None]:
+        slots = Slots(1, slow_claim, holds=lambda result: result == "won")
+        tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(3)]
+        await asyncio.sleep(0.05)  # s0..s2 are out in one call, the gate shut
+        slots.drain()
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    assert asyncio.run(scenario()) == ["won", None, None]
+    assert database.calls == [(["s0", "s1", "s2"], 1)]
