@@ -5,7 +5,10 @@ replicas may start at once with ``migrate: auto``, so ``upgrade`` first takes
 a lock that the database holds for one connection (an advisory lock on
 PostgreSQL, GET_LOCK on MySQL, a lock file beside a SQLite file): the first
 replica migrates, the others wait, then find the schema current and do
-nothing.
+nothing. On SQLite the lock file is taken before the first connection: even
+opening the file can write to it (turning it to WAL), and two processes that
+both do that at once can fail with "database is locked" at once, without
+waiting on the busy timeout.
 """
 
 from __future__ import annotations
@@ -76,23 +79,23 @@ def upgrade(url: str) -> tuple[str | None, str]:
     """Bring the schema to head under the migration lock; return (before, after)."""
     engine = make_engine(url, autocommit=False)
     try:
-        return _upgrade(engine, url)
+        with _migration_lock(engine) as connection:
+            return _upgrade(connection)
     except SQLAlchemyError as error:
         raise store_fault("schema upgrade", None, engine, error) from error
     finally:
         engine.dispose()
 
 
-def _upgrade(engine: Engine, url: str) -> tuple[str | None, str]:
-    with engine.connect() as connection, _migration_lock(connection, url):
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-        before = context.get_current_revision()
-        connection.commit()
-        config = _config()
-        config.attributes["connection"] = connection
-        command.upgrade(config, "head")
-        connection.commit()
-        return before, head()
+def _upgrade(connection: Connection) -> tuple[str | None, str]:
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    before = context.get_current_revision()
+    connection.commit()
+    config = _config()
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+    connection.commit()
+    return before, head()
 
 
 def sql(dialect: str) -> str:
@@ -105,39 +108,53 @@ def sql(dialect: str) -> str:
 
 
 @contextlib.contextmanager
-def _migration_lock(connection: Connection, url: str) -> Iterator[None]:
-    backend = connection.dialect.name
-    if backend == "postgresql":
-        connection.execute(text("SET lock_timeout = '0'"))  # wait for the migrating replica
-        connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _PG_LOCK_KEY})
-        connection.commit()
-        try:
-            yield
-        finally:
-            connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _PG_LOCK_KEY})
+def _migration_lock(engine: Engine) -> Iterator[Connection]:
+    """A connection, held while no other process is migrating this database."""
+    backend = engine.dialect.name
+    if backend == "sqlite":
+        with _sqlite_lock(engine.url.database), engine.connect() as connection:
+            yield connection
+        return
+    with engine.connect() as connection:
+        if backend == "postgresql":
+            connection.execute(text("SET lock_timeout = '0'"))  # wait for the migrating replica
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _PG_LOCK_KEY})
             connection.commit()
-    elif backend == "mysql":
-        got = connection.execute(
-            text("SELECT GET_LOCK(:name, :wait)"), {"name": _LOCK_NAME, "wait": LOCK_WAIT_SECONDS}
-        ).scalar()
-        connection.commit()
-        if got != 1:
-            raise SweepdError(
-                f"another process held the migration lock for over {LOCK_WAIT_SECONDS}s"
-            )
-        try:
-            yield
-        finally:
-            connection.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": _LOCK_NAME})
-            connection.commit()
-    else:
-        database = connection.engine.url.database
-        if not database or database == ":memory:":
-            yield  # a private in-memory database has no one to race
-            return
-        with open(Path(database).with_name(Path(database).name + ".migrate-lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                yield
+                yield connection
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _PG_LOCK_KEY})
+                connection.commit()
+        else:
+            got = connection.execute(
+                text("SELECT GET_LOCK(:name, :wait)"),
+                {"name": _LOCK_NAME, "wait": LOCK_WAIT_SECONDS},
+            ).scalar()
+            connection.commit()
+            if got != 1:
+                raise SweepdError(
+                    f"another process held the migration lock for over {LOCK_WAIT_SECONDS}s"
+                )
+            try:
+                yield connection
+            finally:
+                connection.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": _LOCK_NAME})
+                connection.commit()
+
+
+@contextlib.contextmanager
+def _sqlite_lock(database: str | None) -> Iterator[None]:
+    if not database or database == ":memory:":
+        yield  # a private in-memory database has no one to race
+        return
+    with open(lock_path(database), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def lock_path(database: str) -> Path:
+    """The file beside a SQLite database that ``upgrade`` locks."""
+    return Path(database).with_name(Path(database).name + ".migrate-lock")

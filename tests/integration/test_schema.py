@@ -1,7 +1,14 @@
 """Migrations on every dialect: upgrade, check, and `migrate: never`."""
 
+import fcntl
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 from sqlalchemy import inspect
+from sqlalchemy.engine import make_url
 
 from sweepd.db import migrate
 from sweepd.db.engine import make_engine
@@ -22,6 +29,47 @@ def test_upgrade_creates_the_tables_and_is_idempotent(database_url: str) -> None
         assert migrate.is_current(engine)
         tables = set(inspect(engine).get_table_names())
         assert {"sweep_leases", "sweep_runs", VERSION_TABLE} <= tables
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.slow
+def test_replicas_that_upgrade_at_once_all_succeed(database_url: str) -> None:
+    """`migrate: auto` on every replica of a fresh deploy: one migrates, the rest wait."""
+    command = [sys.executable, "-m", "sweepd", "db", "upgrade", "--database", database_url]
+    processes = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(4)
+    ]
+    outputs = [(p.communicate(timeout=60)[0].decode(), p.returncode) for p in processes]
+    assert [code for _, code in outputs] == [0] * 4, outputs
+    engine = make_engine(database_url)
+    try:
+        assert migrate.is_current(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("dialect", ["sqlite"], indirect=True)
+def test_sqlite_upgrade_opens_nothing_until_it_holds_the_lock(database_url: str) -> None:
+    # Opening the file can already write to it (turning it to WAL), and two
+    # processes doing that at once may fail with "database is locked" without
+    # waiting, so the file must stay untouched while another process migrates.
+    database = make_url(database_url).database
+    assert database is not None
+    with open(migrate.lock_path(database), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        upgrading = threading.Thread(target=migrate.upgrade, args=(database_url,))
+        upgrading.start()
+        upgrading.join(0.5)
+        assert upgrading.is_alive()
+        assert not Path(database).exists()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    upgrading.join(30)
+    assert not upgrading.is_alive()
+    engine = make_engine(database_url)
+    try:
+        assert migrate.is_current(engine)
     finally:
         engine.dispose()
 
