@@ -105,6 +105,10 @@ class Want:
 # they were before the UPDATE, which explains each loss. The CTEs are shared
 # with the daemon's statement that also writes the run rows (sweepd.ticks):
 # ``wanted`` is the ticks asked for, ``won`` the rows claimed (name, token).
+# Each read of sweep_leases also says ``name = ANY(:p_names)``, which the
+# join already implies: a planner without statistics (a new table, before
+# autovacuum's first ANALYZE) otherwise reads every lease of the namespace
+# once per wanted tick, 8 ms a claim at 1,000 sweeps instead of 0.5.
 CLAIM_UPTO_POSTGRESQL_CTES = """
     wanted AS (
         SELECT w.name, w.tick, w.micros, w.ord
@@ -117,6 +121,7 @@ CLAIM_UPTO_POSTGRESQL_CTES = """
     chosen AS (
         SELECT l.name FROM sweep_leases AS l JOIN wanted AS w ON l.name = w.name
         WHERE l.namespace = :p_namespace
+          AND l.name = ANY(CAST(:p_names AS varchar[]))
           AND l.expires_at <= statement_timestamp()
           AND w.tick <= statement_timestamp() + :p_tolerance * interval '1 microsecond'
           AND (l.tick IS NULL OR l.tick < w.tick)
@@ -133,6 +138,7 @@ CLAIM_UPTO_POSTGRESQL_CTES = """
             fencing_token = l.fencing_token + 1
         FROM wanted AS w
         WHERE l.namespace = :p_namespace
+          AND l.name = ANY(CAST(:p_names AS varchar[]))
           AND l.name = w.name
           AND l.name IN (SELECT name FROM chosen)
           AND l.expires_at <= statement_timestamp()
@@ -150,7 +156,10 @@ CLAIM_UPTO_POSTGRESQL_OUTCOME = """
 CLAIM_UPTO_POSTGRESQL_JOINS = """
     FROM wanted AS w
     LEFT JOIN won ON won.name = w.name
-    LEFT JOIN sweep_leases AS l ON l.namespace = :p_namespace AND l.name = w.name
+    LEFT JOIN sweep_leases AS l
+        ON l.namespace = :p_namespace
+        AND l.name = ANY(CAST(:p_names AS varchar[]))
+        AND l.name = w.name
 """
 CLAIM_UPTO_POSTGRESQL_COLUMNS: dict[str, Any] = {
     "name": String(),
@@ -169,7 +178,8 @@ _CLAIM_UPTO_POSTGRESQL = text(
 
 # A batch release locks its rows in name order, so that no two statements
 # that wait for row locks can wait on each other in a cycle (a claim never
-# waits: SKIP LOCKED); ``held`` is the (name, token) pairs to release.
+# waits: SKIP LOCKED); ``held`` is the (name, token) pairs to release, and
+# ``name = ANY(:p_names)`` is there for the planner, as in the claim.
 RELEASE_MANY_POSTGRESQL_CTES = """
     held AS (
         SELECT h.name, h.token
@@ -178,6 +188,7 @@ RELEASE_MANY_POSTGRESQL_CTES = """
     locked AS (
         SELECT l.name FROM sweep_leases AS l JOIN held AS h ON l.name = h.name
         WHERE l.namespace = :p_namespace
+          AND l.name = ANY(CAST(:p_names AS varchar[]))
         ORDER BY l.name
         FOR UPDATE OF l
     )
@@ -187,6 +198,7 @@ RELEASE_MANY_POSTGRESQL_UPDATE = """
     SET expires_at = statement_timestamp()
     FROM held AS h
     WHERE l.namespace = :p_namespace
+      AND l.name = ANY(CAST(:p_names AS varchar[]))
       AND l.name = h.name
       AND l.name IN (SELECT name FROM locked)
       AND l.holder = :p_holder
