@@ -97,5 +97,5 @@ sweep_runs = Table(
     Column("status", String(16), nullable=False),  # running success failed timeout cancelled lost
     Column("error", Text(), nullable=True),
     Index("ix_sweep_runs_name_started", "namespace", "name", "started_at"),
-    Index("ix_sweep_runs_status", "namespace", "status"),
+    Index("ix_sweep_runs_status_name", "namespace", "status", "name"),
 )

@@ -4,15 +4,17 @@ import fcntl
 import subprocess
 import sys
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from alembic import command
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import make_url
 
 from sweepd.db import migrate
 from sweepd.db.engine import make_engine
-from sweepd.db.schema import VERSION_TABLE, metadata
+from sweepd.db.schema import VERSION_TABLE, metadata, sweep_runs
 
 
 def test_upgrade_creates_the_tables_and_is_idempotent(database_url: str) -> None:
@@ -21,7 +23,7 @@ def test_upgrade_creates_the_tables_and_is_idempotent(database_url: str) -> None
         assert migrate.current(engine) is None
         with pytest.raises(
             migrate.SchemaError,
-            match=r"schema is missing, sweepd needs 0001: run `sweepd db upgrade`",
+            match=r"schema is missing, sweepd needs 0002: run `sweepd db upgrade`",
         ):
             migrate.require_current(engine)
         assert migrate.upgrade(database_url) == (None, migrate.head())
@@ -95,3 +97,33 @@ def test_offline_sql_has_both_tables(dialect_name: str) -> None:
     assert "CREATE TABLE sweep_leases" in ddl
     assert "CREATE TABLE sweep_runs" in ddl
     assert VERSION_TABLE in ddl
+
+
+def test_a_database_at_0001_with_history_upgrades_to_head(database_url: str) -> None:
+    engine = make_engine(database_url, autocommit=False)
+    try:
+        with engine.connect() as connection:
+            config = migrate._config()
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0001")
+            connection.execute(
+                sweep_runs.insert().values(
+                    namespace="n",
+                    name="s",
+                    holder="h",
+                    fencing_token=1,
+                    attempt=1,
+                    trigger="schedule",
+                    started_at=datetime(2026, 1, 1, tzinfo=UTC),
+                    status="running",
+                )
+            )
+            connection.commit()
+        assert migrate.upgrade(database_url) == ("0001", migrate.head())
+        indexes = {ix["name"] for ix in inspect(engine).get_indexes("sweep_runs")}
+        assert "ix_sweep_runs_status_name" in indexes
+        assert "ix_sweep_runs_status" not in indexes
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT count(*) FROM sweep_runs")).scalar() == 1
+    finally:
+        engine.dispose()

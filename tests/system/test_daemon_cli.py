@@ -84,7 +84,7 @@ def test_migrate_never_refuses_a_missing_schema_naming_the_fix(tmp_path: Path) -
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == (
-        "sweepd: the database schema is missing, sweepd needs 0001: run `sweepd db upgrade`"
+        "sweepd: the database schema is missing, sweepd needs 0002: run `sweepd db upgrade`"
     )
     engine = make_engine(url)
     try:
