@@ -33,13 +33,6 @@ LOOKAHEAD = 4
 # After a call that decided nothing (every open row was busy at that
 # instant), how long to wait before asking again.
 RETRY_SECONDS = 0.002
-# How long a call waits for busy slots to come back before it leaves with
-# only some free. Sync runs end one loop turn apart, so without it a replica
-# settles into claiming for half its slots at a time, and a call costs about
-# the same for two ticks as for four. Measured at concurrency 4: a third
-# fewer calls and a third less CPU per run, and bursts end sooner
-# (docs/performance.md). A long run costs each claim beside it this much.
-GATHER_SECONDS = 0.001
 
 
 class Slots(Generic[Item, Result]):
@@ -56,14 +49,12 @@ class Slots(Generic[Item, Result]):
         claim: Callable[[list[Item], int], list[Result | StoreError | None]],
         holds: Callable[[Result], bool],
     ) -> None:
-        self.size = size
         self.free = size
         self.claim = claim
         self.holds = holds
         self.draining = False
         self._waiting: deque[tuple[Item, asyncio.Future[Result | None]]] = deque()
         self._calling: asyncio.Task[None] | None = None
-        self._all_free: asyncio.Future[None] | None = None  # set while a call gathers
 
     async def take(self, item: Item) -> Result | None:
         """The claim's result for ``item``, or None if draining began before it was decided.
@@ -81,8 +72,6 @@ class Slots(Generic[Item, Result]):
 
     def give_back(self) -> None:
         self.free += 1
-        if self.free == self.size and self._all_free is not None and not self._all_free.done():
-            self._all_free.set_result(None)
         self._wake()
 
     def drain(self) -> None:
@@ -108,10 +97,6 @@ class Slots(Generic[Item, Result]):
         """
         try:
             while self.free > 0 and not self.draining:
-                if self.free < self.size:
-                    await self._gather()
-                    if self.draining:
-                        break
                 batch = self._next(self.free * LOOKAHEAD)
                 if not batch:
                     break
@@ -132,14 +117,6 @@ class Slots(Generic[Item, Result]):
                     await asyncio.sleep(RETRY_SECONDS)
         finally:
             self._calling = None
-
-    async def _gather(self) -> None:
-        """Wait until every slot is free, or ``GATHER_SECONDS``, whichever comes first."""
-        self._all_free = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait({self._all_free}, timeout=GATHER_SECONDS)
-        finally:
-            self._all_free = None
 
     def _next(self, most: int) -> list[tuple[Item, asyncio.Future[Result | None]]]:
         """Take up to ``most`` waiting ticks off the front, dropping those whose flight is gone."""

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from sweepd.errors import StoreError
-from sweepd.slots import GATHER_SECONDS, LOOKAHEAD, Slots
+from sweepd.slots import LOOKAHEAD, Slots
 
 
 class Database:
@@ -177,38 +177,3 @@ def test_ticks_out_in_a_claim_when_draining_begins_are_answered() -> None:
 
     assert asyncio.run(scenario()) == ["won", None, None]
     assert database.calls == [(["s0", "s1", "s2"], 1)]
-
-
-def test_a_call_waits_briefly_for_the_busy_slots_to_come_back() -> None:
-    # Slots that come back a turn apart go out in one call, not one each.
-    database = Database()
-
-    async def scenario() -> None:
-        slots = slots_for(database, 2)
-        assert list(await asyncio.gather(slots.take("s0"), slots.take("s1"))) == ["won", "won"]
-        waiting = [asyncio.ensure_future(slots.take(f"s{i}")) for i in (2, 3)]
-        await asyncio.sleep(0.01)
-        slots.give_back()
-        await asyncio.sleep(0)
-        slots.give_back()
-        assert await asyncio.gather(*waiting) == ["won", "won"]
-
-    asyncio.run(scenario())
-    assert [limit for _, limit in database.calls] == [2, 2]
-
-
-def test_a_slot_still_busy_delays_a_call_by_no_more_than_the_gather() -> None:
-    database = Database()
-
-    async def scenario() -> float:
-        slots = slots_for(database, 2)
-        assert list(await asyncio.gather(slots.take("s0"), slots.take("s1"))) == ["won", "won"]
-        slots.give_back()  # s1 runs on
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        assert await slots.take("s2") == "won"
-        return loop.time() - began
-
-    waited = asyncio.run(scenario())
-    assert GATHER_SECONDS <= waited < GATHER_SECONDS + 0.5
-    assert [limit for _, limit in database.calls] == [2, 1]
