@@ -6,6 +6,8 @@ on a fresh database; every tick is won, since there is one replica. It
 reports, per run: the process's CPU (user + sys, from ``getrusage``), the
 database calls (claim, close, other), and the voluntary context switches.
 Logs are rendered as JSON to /dev/null, as the daemon would to a pipe.
+Sweeps that take no time flatter anything that waits for runs to end
+together: check a gain here with ``replicas.py`` before keeping it.
 
     python benchmarks/burst.py --dialect postgresql --sweeps 1000 --bursts 5 --concurrency 4
 """
