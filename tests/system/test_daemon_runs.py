@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from daemon_harness import Replica, read_rows, read_runs, sweep, write_config
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from sweepd.db import migrate
 from sweepd.db.engine import make_engine
-from sweepd.db.schema import sweep_runs
+from sweepd.db.schema import sweep_leases, sweep_runs
 from sweepd.history import History
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,48 @@ def test_a_failed_attempt_is_retried_in_the_same_tick_under_the_same_lease(
     assert len({(r["tick"], r["fencing_token"]) for r in rows}) == 1  # one tick, one claim
     assert rows[0]["error"] == "RuntimeError: failing attempt 1 on purpose"
     assert [r["attempt"] for r in read_runs(out) if r["event"] == "start"] == [1, 2, 3]
+
+
+def test_a_run_longer_than_its_ttl_keeps_its_lease_by_renewing_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "runs.jsonl"
+    ttl = 3.0
+    long_run = sweep(
+        "long",
+        out,
+        every="1h",
+        anchor="2026-01-01T00:00:00Z",
+        catch_up="latest",
+        ttl="3s",
+        args={"duration": 5.0},
+    )
+    replica = Replica(
+        write_config(tmp_path / "sweepd.yaml", database_url, [long_run]), tmp_path / "r.log"
+    ).start()
+    engine = make_engine(database_url)
+    try:
+        replica.wait_for(
+            lambda _e: any(r["event"] == "start" for r in read_runs(out)) if out.exists() else False
+        )
+        began = next(r["at"] for r in read_runs(out) if r["event"] == "start")
+        # Past the ttl the claim gave, before the run's end: only renewals can have kept it.
+        time.sleep(max(0.0, began + ttl + 0.8 - time.time()))
+        with engine.connect() as connection:
+            lease = connection.execute(
+                select(sweep_leases.c.acquired_at, sweep_leases.c.expires_at).where(
+                    sweep_leases.c.name == "long"
+                )
+            ).one()
+        run_until(replica, lambda events: finished(events, "success") >= 1)
+    finally:
+        replica.kill()
+        engine.dispose()
+    held_for = (lease.expires_at - lease.acquired_at).total_seconds()
+    assert held_for > ttl + 0.5, (
+        f"the lease was not renewed: it ran out {held_for:.2f}s after the claim"
+    )
+    assert [r["status"] for r in read_rows(database_url) if r["name"] == "long"] == ["success"]
 
 
 @pytest.mark.parametrize("callable_", ["daemon_sweeps:record", "daemon_sweeps:record_async"])
