@@ -1,4 +1,4 @@
-"""Retries, timeouts and history pruning, through a real `sweepd run`."""
+"""Retries, timeouts, renewals and history pruning, through a real `sweepd run`."""
 
 from __future__ import annotations
 
