@@ -81,7 +81,7 @@ def test_a_run_longer_than_its_ttl_keeps_its_lease_by_renewing_it(
         every="1h",
         anchor="2026-01-01T00:00:00Z",
         catch_up="latest",
-        ttl="3s",
+        ttl=f"{ttl:g}s",
         args={"duration": 5.0},
     )
     replica = Replica(
@@ -89,9 +89,7 @@ def test_a_run_longer_than_its_ttl_keeps_its_lease_by_renewing_it(
     ).start()
     engine = make_engine(database_url)
     try:
-        replica.wait_for(
-            lambda _e: any(r["event"] == "start" for r in read_runs(out)) if out.exists() else False
-        )
+        replica.wait_for(lambda _e: any(r["event"] == "start" for r in read_runs(out)))
         began = next(r["at"] for r in read_runs(out) if r["event"] == "start")
         # Past the ttl the claim gave, before the run's end: only renewals can have kept it.
         time.sleep(max(0.0, began + ttl + 0.8 - time.time()))
@@ -101,6 +99,7 @@ def test_a_run_longer_than_its_ttl_keeps_its_lease_by_renewing_it(
                     sweep_leases.c.name == "long"
                 )
             ).one()
+        read_at = time.time()
         run_until(replica, lambda events: finished(events, "success") >= 1)
     finally:
         replica.kill()
@@ -110,6 +109,8 @@ def test_a_run_longer_than_its_ttl_keeps_its_lease_by_renewing_it(
         f"the lease was not renewed: it ran out {held_for:.2f}s after the claim"
     )
     assert [r["status"] for r in read_rows(database_url) if r["name"] == "long"] == ["success"]
+    # Read while the run was still going: a released lease's expiry is the release time.
+    assert next(r["at"] for r in read_runs(out) if r["event"] == "end") > read_at
 
 
 @pytest.mark.parametrize("callable_", ["daemon_sweeps:record", "daemon_sweeps:record_async"])
