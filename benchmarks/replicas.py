@@ -37,9 +37,9 @@ waits; CPU and wakeups are also given for the stretches between bursts.
 To look for causes: ``--profile DIR`` records replica 0 with py-spy (if it is on PATH) during
 the window, only the thread holding the GIL unless ``--profile-wall``. Two experiments change
 the system under test and say so in the report's title, never in ``sweepd/``:
-``--executor-workers N`` gives asyncio's default executor N threads in the replicas (a
-``sitecustomize`` in the temporary folder), and ``--unsafe-async-commit`` sets
-``synchronous_commit = off`` on the benchmark database.
+``--db-threads N`` bounds the replicas' database threads at N (a ``sitecustomize`` in the
+temporary folder), and ``--unsafe-async-commit`` sets ``synchronous_commit = off`` on the
+benchmark database.
 """
 
 from __future__ import annotations
@@ -130,23 +130,14 @@ async def tick_async(ctx, out):
 
 
 # An experiment, never part of a measurement of sweepd as shipped: written as sitecustomize.py
-# into the temporary folder, it gives asyncio's default executor (where every database call
-# of the daemon runs, via asyncio.to_thread) more threads than Python's min(32, cores + 4).
+# into the temporary folder, it gives the daemon's database threads (sweepd.offload, where
+# every database call of the daemon runs) another bound than Python's min(32, cores + 4).
 EXECUTOR_HOOK = '''\
-"""Written by benchmarks/replicas.py --executor-workers: a bigger asyncio default executor."""
+"""Written by benchmarks/replicas.py --db-threads: another bound on sweepd's database threads."""
 
-import concurrent.futures
+import sweepd.offload
 
-_init = concurrent.futures.ThreadPoolExecutor.__init__
-
-
-def _patched(self, max_workers=None, thread_name_prefix="", *args, **kwargs):
-    if max_workers is None and thread_name_prefix == "asyncio":
-        max_workers = {workers}
-    _init(self, max_workers, thread_name_prefix, *args, **kwargs)
-
-
-concurrent.futures.ThreadPoolExecutor.__init__ = _patched
+sweepd.offload._WORKERS.size = {workers}
 '''
 
 
@@ -670,8 +661,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         folder = Path(name)
         (folder / "runs").mkdir()
         (folder / "bench_sweeps.py").write_text(SWEEP_MODULE)
-        if args.executor_workers is not None:
-            hook = EXECUTOR_HOOK.replace("{workers}", str(args.executor_workers))
+        if args.db_threads is not None:
+            hook = EXECUTOR_HOOK.replace("{workers}", str(args.db_threads))
             (folder / "sitecustomize.py").write_text(hook)
         with bench_database(args.dialect, folder) as url:
             version = server_version(url, args.dialect)
@@ -863,8 +854,8 @@ def report(args: argparse.Namespace, result: Result) -> None:
         f" concurrency {concurrency}, {'async' if args.run_async else 'sync'} sweep"
         + (", synchronous_commit=off (unsafe)" if args.unsafe_async_commit else "")
         + (
-            f", asyncio executor {args.executor_workers} threads (patched)"
-            if args.executor_workers is not None
+            f", {args.db_threads} database threads (patched)"
+            if args.db_threads is not None
             else ""
         )
     )
@@ -1163,9 +1154,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="one replica, 1,000 sweeps every minute (overrides --replicas/--sweeps/--interval)",
     )
     parser.add_argument(
-        "--executor-workers",
+        "--db-threads",
         type=int,
-        help="experiment: threads of asyncio's default executor in the replicas (patched in)",
+        help="experiment: the bound on the replicas' database threads (patched in)",
     )
     parser.add_argument("--profile", type=Path, help="py-spy record replica 0 into this folder")
     parser.add_argument(

@@ -1,11 +1,13 @@
-"""The batcher: what flights ask for in one turn of the loop travels as one call."""
+"""Database calls off the loop: bounded in time, and batched per turn of the loop."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from sweepd.errors import StoreError
-from sweepd.offload import Batcher
+from sweepd.offload import Batcher, bounded
 
 
 class Recorder:
@@ -72,3 +74,51 @@ def test_a_cancelled_waiter_does_not_stop_the_others() -> None:
         return await kept, doomed.cancelled()
 
     assert asyncio.run(scenario()) == (4, True)
+
+
+def test_a_call_returns_its_value_or_raises_its_own_error() -> None:
+    def fails() -> None:
+        raise StoreError("no such table", transient=False)
+
+    async def scenario() -> tuple[int, BaseException | None]:
+        value = await bounded(lambda a, b: a + b, 2, 3)
+        try:
+            await bounded(fails)
+        except StoreError as error:
+            return value, error
+        return value, None
+
+    value, error = asyncio.run(scenario())
+    assert value == 5
+    assert isinstance(error, StoreError)
+    assert str(error) == "no such table"
+    assert error.transient is False
+
+
+def test_a_stuck_call_fails_at_its_bound_and_does_not_keep_the_loop_from_ending() -> None:
+    """A hung database must not hold a draining daemon: the caller gives up at the
+    bound, and ``asyncio.run`` returns although the call's thread is still blocked
+    (asyncio's default executor would join that thread and wait forever)."""
+    unblock = threading.Event()
+    elapsed: list[float] = []
+    errors: list[str] = []
+
+    def stuck() -> None:
+        unblock.wait()
+
+    async def caller() -> None:
+        began = time.monotonic()
+        try:
+            await bounded(stuck, timeout=0.2)
+        except StoreError as error:
+            errors.append(str(error))
+        elapsed.append(time.monotonic() - began)
+
+    runner = threading.Thread(target=lambda: asyncio.run(caller()), daemon=True)
+    runner.start()
+    runner.join(timeout=3.0)
+    ended = not runner.is_alive()
+    unblock.set()
+    assert ended, "asyncio.run waited for the stuck call's thread"
+    assert errors == ["stuck got no answer from the database within 0.2s"]
+    assert 0.2 <= elapsed[0] < 1.0
