@@ -155,7 +155,7 @@ def run(environment: Environment, config: str | None, database: str | None, dry_
     from sweepd.db import migrate
     from sweepd.db.engine import make_engine
     from sweepd.lifecycle import EarlySignals, serve
-    from sweepd.observe import configure_logging, get_logger
+    from sweepd.observe import configure_logging, flush_logs, get_logger
 
     early = EarlySignals()
     path = config or environment.config
@@ -188,6 +188,7 @@ def run(environment: Environment, config: str | None, database: str | None, dry_
         daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
         return asyncio.run(serve(daemon, log, early))
     finally:
+        flush_logs()  # before anything this process prints after the loop
         engine.dispose()
 
 

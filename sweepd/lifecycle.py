@@ -13,6 +13,7 @@ from types import FrameType
 from typing import Any
 
 from sweepd.daemon import Daemon
+from sweepd.observe import flush_logs
 
 
 class EarlySignals:
@@ -53,6 +54,7 @@ async def serve(daemon: Daemon, log: Any, early: EarlySignals | None = None) -> 
         # The second signal is the operator saying "now": no drain, no release
         # (the TTL frees the leases), the shell's status for death by signal.
         log.warning("daemon.signal", signal=signal.Signals(signum).name, action="exit now")
+        flush_logs()  # os._exit skips every flush
         os._exit(128 + signum)
 
     def on_reload() -> None:

@@ -6,8 +6,10 @@ their context as fields, so operators filter on fields, never on prose.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+import threading
 from typing import Any, TextIO
 
 import structlog
@@ -25,6 +27,7 @@ _LEVELS: dict[str, int] = {
 def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None = None) -> None:
     """Set structlog up once per process; ``auto`` is console on a terminal, else JSON."""
     out = stream or sys.stderr
+    _LINES.point_at(out)
     console = format == "console" or (format == "auto" and out.isatty())
     renderer: Any = (
         structlog.dev.ConsoleRenderer(colors=out.isatty())
@@ -40,9 +43,79 @@ def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(out),
+        logger_factory=_LINES.factory,
         cache_logger_on_first_use=False,
     )
+
+
+# How long a line logged on the loop may wait to be written with the others.
+FLUSH_SECONDS = 0.05
+
+
+class _Lines:
+    """Writes rendered lines to the stream; those logged on the loop, a few at a time.
+
+    A write is a system call, and CPython lets go of the GIL for it. Made per
+    line on the loop, each of a run's log lines handed the interpreter to a
+    waiting database or sweep thread, and the loop then queued to get it back:
+    a quarter of a run's CPU in a burst (docs/performance.md). So a line
+    logged on the loop's thread waits up to ``FLUSH_SECONDS`` and leaves in
+    one write with the others of that time. A line from any other thread (a
+    sync sweep's own logger) has no loop to wait on: it is written at once,
+    after whatever was waiting, so the order holds. A ``kill -9`` loses at
+    most the last ``FLUSH_SECONDS`` of the loop's lines; a drain, an error
+    and the second signal's exit write them out first.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._waiting: list[str] = []
+        self._flush_on: asyncio.AbstractEventLoop | None = None
+
+    def point_at(self, stream: TextIO) -> None:
+        """Write to ``stream`` from now on; what is waiting goes to the old one first."""
+        self.flush()
+        self._stream = stream
+
+    def factory(self, *_args: Any) -> _Lines:
+        return self
+
+    def msg(self, message: str) -> None:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._lock:
+            self._waiting.append(message + "\n")
+            if loop is None:
+                self._write()
+            elif self._flush_on is not loop:
+                # Once per loop, not per flag: a loop that closed with a flush
+                # still due must not leave every later loop's lines unwritten.
+                self._flush_on = loop
+                loop.call_later(FLUSH_SECONDS, self.flush)
+
+    debug = info = warning = error = critical = exception = msg
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_on = None
+            self._write()
+
+    def _write(self) -> None:
+        if self._waiting:
+            text, self._waiting = "".join(self._waiting), []
+            self._stream.write(text)
+            self._stream.flush()
+
+
+_LINES = _Lines(sys.stderr)
+
+
+def flush_logs() -> None:
+    """Write out the lines logged on the loop that are still waiting."""
+    _LINES.flush()
 
 
 def get_logger(**context: Any) -> Any:

@@ -1,0 +1,96 @@
+"""Log lines: those logged on the loop leave together; none is lost or reordered."""
+
+import asyncio
+import json
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from sweepd import observe
+from sweepd.observe import FLUSH_SECONDS, configure_logging, flush_logs, get_logger
+
+
+class Recording:
+    """A stream that keeps each write apart, so a test can count them."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def events(self) -> list[str]:
+        return [json.loads(line)["event"] for line in "".join(self.writes).splitlines()]
+
+
+@pytest.fixture
+def stream() -> Iterator[Recording]:
+    recording = Recording()
+    configure_logging("json", "info", stream=recording)  # type: ignore[arg-type]
+    yield recording
+    flush_logs()
+    structlog.reset_defaults()
+    observe._LINES.point_at(sys.stderr)
+
+
+def test_lines_logged_on_the_loop_wait_and_leave_in_one_write(stream: Recording) -> None:
+    async def scenario() -> list[str]:
+        log = get_logger()
+        for n in range(3):
+            log.info(f"loop.{n}")
+        before = list(stream.writes)
+        await asyncio.sleep(FLUSH_SECONDS * 3)
+        return before
+
+    before = asyncio.run(scenario())
+    assert before == []
+    assert len(stream.writes) == 1
+    assert stream.events() == ["loop.0", "loop.1", "loop.2"]
+
+
+def test_a_line_from_another_thread_is_written_at_once_after_the_waiting_ones(
+    stream: Recording,
+) -> None:
+    async def scenario() -> list[str]:
+        log = get_logger()
+        log.info("loop.first")
+        worker = threading.Thread(target=lambda: log.info("thread.second"))
+        worker.start()
+        worker.join()
+        return stream.events()
+
+    assert asyncio.run(scenario()) == ["loop.first", "thread.second"]
+
+
+def test_flush_logs_writes_what_waits(stream: Recording) -> None:
+    async def scenario() -> list[str]:
+        get_logger().info("loop.only")
+        flush_logs()
+        return stream.events()
+
+    assert asyncio.run(scenario()) == ["loop.only"]
+
+
+def test_a_loop_that_closed_with_a_write_due_does_not_silence_the_next(
+    stream: Recording,
+) -> None:
+    async def log_and_leave() -> None:
+        get_logger().info("first.loop")
+
+    async def log_and_wait() -> None:
+        get_logger().info("second.loop")
+        await asyncio.sleep(FLUSH_SECONDS * 3)
+
+    asyncio.run(log_and_leave())  # closes before its write was due
+    asyncio.run(log_and_wait())
+    assert stream.events() == ["first.loop", "second.loop"]
