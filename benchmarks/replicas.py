@@ -853,11 +853,7 @@ def report(args: argparse.Namespace, result: Result) -> None:
         f" {format_duration(args.interval)}, {args.seconds:g} s window, {args.dialect},"
         f" concurrency {concurrency}, {'async' if args.run_async else 'sync'} sweep"
         + (", synchronous_commit=off (unsafe)" if args.unsafe_async_commit else "")
-        + (
-            f", {args.db_threads} database threads (patched)"
-            if args.db_threads is not None
-            else ""
-        )
+        + (f", {args.db_threads} database threads (patched)" if args.db_threads is not None else "")
     )
     ticks_table = Table(
         f"Ticks ({title})",

@@ -119,17 +119,21 @@ _WORKERS = _Workers(min(32, (os.cpu_count() or 1) + 4))
 
 
 class Batcher(Generic[Item, Result]):
-    """Gathers the items submitted in one turn of the loop into one bounded call.
+    """Gathers the items submitted in one turn of the loop, or within ``gather``
+    seconds of the first, into one bounded call.
 
     ``work`` gets the items in submission order and returns one result per
     item, a ``StoreError`` standing for an item that failed on its own; if
     ``work`` raises, every item of the batch fails with that error. No item
     waits for a batch to fill: the batch leaves at the end of the turn in
-    which its first item came.
+    which its first item came, or ``gather`` seconds after it.
     """
 
-    def __init__(self, work: Callable[[list[Item]], list[Result | StoreError]]) -> None:
+    def __init__(
+        self, work: Callable[[list[Item]], list[Result | StoreError]], gather: float = 0.0
+    ) -> None:
         self.work = work
+        self.gather = gather
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -138,7 +142,10 @@ class Batcher(Generic[Item, Result]):
         future: asyncio.Future[Result] = loop.create_future()
         self._pending.append((item, future))
         if len(self._pending) == 1:
-            loop.call_soon(self._flush)
+            if self.gather > 0:
+                loop.call_later(self.gather, self._flush)
+            else:
+                loop.call_soon(self._flush)
         return await future
 
     def _flush(self) -> None:

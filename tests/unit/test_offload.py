@@ -122,3 +122,18 @@ def test_a_stuck_call_fails_at_its_bound_and_does_not_keep_the_loop_from_ending(
     assert ended, "asyncio.run waited for the stuck call's thread"
     assert errors == ["stuck got no answer from the database within 0.2s"]
     assert 0.2 <= elapsed[0] < 1.0
+
+
+def test_with_gather_items_of_later_turns_join_the_first_ones_call() -> None:
+    work = Recorder()
+
+    async def scenario() -> list[int]:
+        batcher = Batcher(work, gather=0.05)
+        first = asyncio.ensure_future(batcher.submit(1))
+        for _ in range(3):  # turns of the loop, well within the gather
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(batcher.submit(2))
+        return list(await asyncio.gather(first, second))
+
+    assert asyncio.run(scenario()) == [2, 4]
+    assert work.batches == [[1, 2]]
