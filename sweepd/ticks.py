@@ -13,13 +13,13 @@ history calls one after another, in one thread hop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
 
 from sqlalchemy import BigInteger, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import retry_deadlocks, store_fault
+from sweepd.db.engine import driver_rows, retry_deadlocks, store_fault
 from sweepd.errors import StoreError
 from sweepd.history import LOST_ERROR, History, Start, Status, Trigger
 from sweepd.lease import (
@@ -120,6 +120,25 @@ _CLOSE_POSTGRESQL = text(
 )
 
 
+class _OpenedRow(NamedTuple):
+    """A row of ``_OPEN_POSTGRESQL`` as the driver returns it, in column order."""
+
+    name: str
+    token: int | None
+    holder: str | None
+    expires_at: datetime | None
+    tick: datetime | None
+    early: bool
+    open: bool
+    run_id: int | None
+    lost_runs: int
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    # The driver gives timestamptz in the session's time zone; sweepd speaks UTC.
+    return None if value is None else value.astimezone(UTC)
+
+
 class TickStore:
     def __init__(self, store: LeaseStore, history: History, holder: str) -> None:
         self.store = store
@@ -127,6 +146,11 @@ class TickStore:
         self.holder = holder
         self.engine = store.engine
         self._postgresql = self.engine.dialect.name == "postgresql"
+        if self._postgresql:
+            # Compiled once, to the driver's own SQL: these two statements are
+            # every tick's, so they skip SQLAlchemy's execution layer.
+            self._open_sql = str(_OPEN_POSTGRESQL.compile(dialect=self.engine.dialect))
+            self._close_sql = str(_CLOSE_POSTGRESQL.compile(dialect=self.engine.dialect))
 
     # -- open ----------------------------------------------------------------------------
 
@@ -167,9 +191,13 @@ class TickStore:
         params["p_lost_error"] = LOST_ERROR
         try:
             with self.engine.connect() as connection:
-                rows = {r.name: r for r in connection.execute(_OPEN_POSTGRESQL, params)}
+                found = driver_rows(connection, self._open_sql, params)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
+        rows: dict[str, _OpenedRow] = {}
+        for values in found:
+            row = _OpenedRow(*values)
+            rows[row.name] = row._replace(expires_at=_utc(row.expires_at), tick=_utc(row.tick))
         results: list[Opened | None] = []
         for ask in asks:
             row = rows[ask.sweep.name]
@@ -179,6 +207,7 @@ class TickStore:
                 continue
             opened = Opened(claim)
             if isinstance(claim, Won):
+                assert row.run_id is not None  # a won claim's row is written in its statement
                 opened.started = int(row.run_id)
                 opened.lost_runs = int(row.lost_runs)
             results.append(opened)
@@ -253,7 +282,7 @@ class TickStore:
 
         def close() -> set[str]:
             with self.engine.connect() as connection:
-                return set(connection.execute(_CLOSE_POSTGRESQL, params).scalars())
+                return {name for (name,) in driver_rows(connection, self._close_sql, params)}
 
         try:
             freed = retry_deadlocks(close)

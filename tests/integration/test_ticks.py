@@ -1,0 +1,188 @@
+"""The tick store on every dialect: a tick's open and close are committed, explained and loud.
+
+On PostgreSQL, every tick after a sweep's first is one batched statement that runs on the
+driver's own cursor, outside SQLAlchemy's execution layer. These tests hold that path to what
+``Connection.execute`` gave: committed at once (autocommit), times in UTC whatever the
+session's time zone, a fault raised as a ``StoreError`` that says whether it may pass, and a
+connection that died in a fault never handed out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine, select, text
+from sqlalchemy.engine import make_url
+from tcp_proxy import proxy_for
+
+from sweepd.db import migrate
+from sweepd.db.engine import db_now, make_engine
+from sweepd.db.schema import sweep_leases, sweep_runs
+from sweepd.errors import StoreError
+from sweepd.history import History
+from sweepd.lease import LeaseStore, Lost, Won
+from sweepd.model import SweepDef
+from sweepd.schedule import Every
+from sweepd.ticks import Ask, Hand, Opened, TickStore
+
+MakeDatabase = Callable[[str], str]
+NAMESPACE = "ticks"
+TTL = timedelta(seconds=30)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)  # in the past: the claim refuses ticks from the future
+SWEEPS = [
+    SweepDef(
+        name=f"sweep-{i}",
+        func=lambda: None,
+        target="tests:nothing",
+        schedule=Every(timedelta(minutes=1)),
+        ttl=TTL,
+        timeout=None,
+        misfire_grace=timedelta(minutes=5),
+    )
+    for i in range(3)
+]
+
+
+def tick(n: int) -> datetime:
+    return T0 + timedelta(minutes=n)
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[[str], Engine]]:
+    made: list[Engine] = []
+
+    def make(url: str) -> Engine:
+        engine = make_engine(url, timeout=timedelta(seconds=2))
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.dispose()
+
+
+def ticks_of(engine: Engine, holder: str) -> TickStore:
+    return TickStore(LeaseStore(engine, NAMESPACE), History(engine, NAMESPACE), holder)
+
+
+def open_all(store: TickStore, n: int) -> list[Opened]:
+    """Open tick ``n`` of every sweep; each must be decided."""
+    found = store.open_upto([Ask(sweep, tick(n), "schedule") for sweep in SWEEPS], len(SWEEPS))
+    assert all(isinstance(opened, Opened) for opened in found), found
+    return [opened for opened in found if isinstance(opened, Opened)]
+
+
+def close_all(store: TickStore, opened: list[Opened]) -> list[object]:
+    hands = []
+    for sweep, one in zip(SWEEPS, opened, strict=True):
+        assert isinstance(one.claim, Won)
+        assert isinstance(one.started, int)
+        hands.append(Hand(sweep.name, one.claim.token, (one.started, sweep.name, "success", None)))
+    return list(store.close_many(hands))
+
+
+def released(engine: Engine) -> bool:
+    """Whether every lease has expired by the database's clock (a release sets it to now)."""
+    with engine.connect() as connection:
+        expiries = connection.execute(select(sweep_leases.c.expires_at)).scalars().all()
+        now = connection.execute(select(db_now())).scalar_one()
+    assert len(expiries) == len(SWEEPS)
+    return all(expiry <= now for expiry in expiries)
+
+
+def test_each_open_and_close_is_committed_when_it_returns(
+    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database(dialect)
+    migrate.upgrade(url)
+    store, other = ticks_of(engines(url), "a"), engines(url)
+    # Tick 1 is each sweep's first claim (an INSERT); tick 2, on PostgreSQL, the batched statement.
+    for n in (1, 2):
+        opened = open_all(store, n)
+        assert [o.claim for o in opened] == [Won(n, "a", tick(n))] * len(SWEEPS)
+        with other.connect() as seen:
+            leases = seen.execute(
+                select(sweep_leases.c.holder, sweep_leases.c.fencing_token, sweep_leases.c.tick)
+            ).all()
+            assert sorted(leases) == [("a", n, tick(n))] * len(SWEEPS)
+            running = seen.execute(
+                select(sweep_runs.c.id).where(sweep_runs.c.status == "running")
+            ).scalars()
+            assert set(running) == {o.started for o in opened}
+        assert not released(other)
+
+        assert close_all(store, opened) == [(None, True)] * len(SWEEPS)
+        with other.connect() as seen:
+            statuses = seen.execute(
+                select(sweep_runs.c.status).where(sweep_runs.c.tick == tick(n))
+            ).scalars()
+            assert list(statuses) == ["success"] * len(SWEEPS)
+        assert released(other)
+    # Another replica takes the next tick at once: the releases were committed.
+    assert [o.claim for o in open_all(ticks_of(other, "b"), 3)] == [Won(3, "b", tick(3))] * len(
+        SWEEPS
+    )
+
+
+def test_a_lost_tick_is_explained_in_utc_whatever_the_sessions_time_zone(
+    make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database("postgresql")
+    migrate.upgrade(url)
+    with engines(url).connect() as admin:
+        database = make_url(url).database
+        admin.execute(text(f"ALTER DATABASE \"{database}\" SET timezone TO 'America/St_Johns'"))
+    a, b = ticks_of(engines(url), "a"), ticks_of(engines(url), "b")
+    with b.engine.connect() as connection:
+        assert connection.execute(text("SHOW timezone")).scalar() == "America/St_Johns"
+    close_all(a, open_all(a, 1))  # the first claims, so that tick 2 is the batched statement
+    assert all(isinstance(o.claim, Won) for o in open_all(a, 2))
+    for lost in (o.claim for o in open_all(b, 2)):
+        assert isinstance(lost, Lost)
+        assert (lost.reason, lost.holder, lost.tick) == ("already_run", "a", tick(2))
+        assert lost.tick is not None and lost.tick.tzinfo is UTC
+        assert lost.expires_at is not None and lost.expires_at.tzinfo is UTC
+
+
+def test_a_stopped_server_fails_opens_and_closes_loudly_and_the_pool_recovers(
+    make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database("postgresql")
+    migrate.upgrade(url)
+    proxy, proxied = proxy_for(url)
+    try:
+        store = ticks_of(engines(proxied), "a")
+        close_all(store, open_all(store, 1))
+        opened = open_all(store, 2)
+
+        proxy.stop()  # closes the pooled connection under the store
+        with pytest.raises(StoreError, match="lease claim for 'sweep-0' failed") as raised:
+            store.open_upto([Ask(SWEEPS[0], tick(3), "schedule")], 1)
+        assert raised.value.transient
+        failed = close_all(store, opened)
+        assert all(isinstance(f, tuple) and "run finish" in str(f[0]) for f in failed), failed
+        assert [f[1] for f in failed if isinstance(f, tuple)] == [False] * len(SWEEPS)
+
+        proxy.start()
+        # The dead connection was dropped, not pooled: the very next call goes through.
+        assert close_all(store, opened) == [(None, True)] * len(SWEEPS)
+        assert [o.claim for o in open_all(store, 3)] == [Won(3, "a", tick(3))] * len(SWEEPS)
+    finally:
+        proxy.stop()
+
+
+def test_a_missing_table_fails_the_batched_open_as_a_fault_that_will_not_pass(
+    make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database("postgresql")
+    migrate.upgrade(url)
+    engine = engines(url)
+    store = ticks_of(engine, "a")
+    close_all(store, open_all(store, 1))
+    with engine.connect() as connection:
+        connection.execute(text("DROP TABLE sweep_runs"))
+    with pytest.raises(StoreError, match="UndefinedTable") as raised:
+        open_all(store, 2)
+    assert not raised.value.transient
