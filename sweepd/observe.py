@@ -7,9 +7,12 @@ their context as fields, so operators filter on fields, never on prose.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import threading
+import time
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -29,16 +32,12 @@ def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None 
     out = stream or sys.stderr
     _LINES.point_at(out)
     console = format == "console" or (format == "auto" and out.isatty())
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer(colors=out.isatty())
-        if console
-        else structlog.processors.JSONRenderer(sort_keys=False)
-    )
+    renderer: Any = structlog.dev.ConsoleRenderer(colors=out.isatty()) if console else _render_json
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _Stamp(),
             structlog.processors.dict_tracebacks if not console else structlog.dev.set_exc_info,
             renderer,
         ],
@@ -46,6 +45,41 @@ def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None 
         logger_factory=_LINES.factory,
         cache_logger_on_first_use=False,
     )
+
+
+# json.dumps with any option set builds a new encoder for every line; this
+# one is built once. Anything JSON cannot hold is written as its repr.
+_JSON = json.JSONEncoder(default=repr)
+
+
+def _render_json(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> str:
+    return _JSON.encode(event)
+
+
+class _Stamp:
+    """``timestamp``: UTC to the microsecond, as ``2026-12-04T06:34:57.638250Z``.
+
+    What structlog's ISO ``TimeStamper`` writes, at a third of its cost: the
+    part up to the second is formatted once a second, not once a line.
+    """
+
+    def __init__(self) -> None:
+        # One tuple, swapped whole: a thread never pairs one second's text with
+        # another's fraction, whichever thread reformats first.
+        self._second: tuple[int, str] = (-1, "")
+
+    def __call__(
+        self, _logger: Any, _name: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        # In microseconds first: a float's fraction of a second is off by a few
+        # hundred nanoseconds at today's epoch, which truncation would show.
+        whole, micros = divmod(round(time.time() * 1_000_000), 1_000_000)
+        second = self._second
+        if second[0] != whole:
+            second = (whole, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)))
+            self._second = second
+        event["timestamp"] = f"{second[1]}.{micros:06d}Z"
+        return event
 
 
 # How long a line logged on the loop may wait to be written with the others.

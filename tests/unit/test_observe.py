@@ -94,3 +94,32 @@ def test_a_loop_that_closed_with_a_write_due_does_not_silence_the_next(
     asyncio.run(log_and_leave())  # closes before its write was due
     asyncio.run(log_and_wait())
     assert stream.events() == ["first.loop", "second.loop"]
+
+
+@pytest.mark.parametrize(
+    ("now", "written"),
+    [
+        (1_780_000_000.0, "2026-05-28T20:26:40.000000Z"),
+        (1_780_000_000.638_25, "2026-05-28T20:26:40.638250Z"),
+        (1_780_000_000.999_999, "2026-05-28T20:26:40.999999Z"),
+        (1_780_000_001.000_001, "2026-05-28T20:26:41.000001Z"),  # the next second's own text
+        (1_780_000_000.5, "2026-05-28T20:26:40.500000Z"),  # and back: a thread a second behind
+    ],
+)
+def test_the_timestamp_is_utc_to_the_microsecond_each_second_its_own(
+    stream: Recording, monkeypatch: pytest.MonkeyPatch, now: float, written: str
+) -> None:
+    get_logger().info("before")  # the second before, already formatted
+    monkeypatch.setattr("sweepd.observe.time.time", lambda: now)
+    get_logger().info("at")
+    flush_logs()
+    line = json.loads("".join(stream.writes).splitlines()[-1])
+    assert (line["event"], line["timestamp"]) == ("at", written)
+
+
+def test_a_value_json_cannot_hold_is_written_as_its_repr(stream: Recording) -> None:
+    get_logger().info("odd", value={1, 2}, nested={"when": threading.Event})
+    flush_logs()
+    line = json.loads("".join(stream.writes))
+    assert line["value"] == "{1, 2}"
+    assert line["nested"] == {"when": repr(threading.Event)}
