@@ -169,7 +169,12 @@ class Runner:
         token = opened.claim.token
         log = log.bind(fencing_token=token)
         self.stats["ticks_claimed"] += 1
-        log.info("tick.claimed", lateness=self._lateness(tick))
+        started = opened.started
+        assert started is not None, "a won claim always reports its first row"
+        # The first attempt's start: its run.started says nothing more, so it is
+        # a debug line, one fewer per run (a retry's start is news: info).
+        run_id = started if isinstance(started, int) else None  # None: its row failed
+        log.info("tick.claimed", lateness=self._lateness(tick), trigger=trigger, run_id=run_id)
         if opened.lost_error is not None:
             log.error("run.record_failed", operation="mark lost", error=opened.lost_error)
         elif opened.lost_runs:
@@ -179,8 +184,6 @@ class Runner:
         heartbeat = asyncio.create_task(self._heartbeat(sweep, token, lease_lost, log))
         status: Status = "failed"
         ended: Ended | None = None  # the last attempt, its row finished with the release
-        started = opened.started
-        assert started is not None, "a won claim always reports its first row"
         try:
             for attempt in range(1, sweep.retries.max + 2):
                 ctx = SweepContext(
@@ -310,7 +313,7 @@ class Runner:
         attempt = Attempt(sweep=sweep, token=token, ctx=ctx, run_id=run_id)
         self.inflight[sweep.name] = attempt
         began = self.clock.monotonic()
-        log.info("run.started", trigger=trigger)
+        (log.info if ctx.attempt > 1 else log.debug)("run.started", trigger=trigger)
         try:
             status, message = await self._call(attempt)
         finally:
@@ -333,19 +336,20 @@ class Runner:
         else:
             attempt.task = loop.create_future()
             _start_thread(call, attempt.task, loop, sweep.name)
-        timeout = sweep.timeout.total_seconds() if sweep.timeout is not None else None
-        done, _ = await asyncio.wait({attempt.task}, timeout=timeout)
-        if not done and attempt.reason is None:
-            attempt.reason = "timeout"
-            ctx.cancelled.set()
-            if is_async:
-                attempt.task.cancel()
-            else:
-                # Said now, not when the thread finally returns: a sync sweep
-                # that ignores ctx.cancelled holds its lease until it does.
-                ctx.logger.warning(
-                    "run.timed_out", timeout=timeout, note="waiting for the thread to return"
-                )
+        if sweep.timeout is not None:  # without one, the outcome is all there is to wait for
+            timeout = sweep.timeout.total_seconds()
+            done, _ = await asyncio.wait({attempt.task}, timeout=timeout)
+            if not done and attempt.reason is None:
+                attempt.reason = "timeout"
+                ctx.cancelled.set()
+                if is_async:
+                    attempt.task.cancel()
+                else:
+                    # Said now, not when the thread finally returns: a sync sweep
+                    # that ignores ctx.cancelled holds its lease until it does.
+                    ctx.logger.warning(
+                        "run.timed_out", timeout=timeout, note="waiting for the thread to return"
+                    )
         # A sync run keeps its lease and its slot until its thread returns:
         # letting the next tick start beside it would be the overlap we forbid.
         result = await asyncio.gather(attempt.task, return_exceptions=True)
