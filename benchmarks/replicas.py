@@ -22,7 +22,7 @@ behind it. Reported, for the ticks in the window:
   scheduled tick) and, for comparison, from ``tick.claimed`` (its ``lateness`` field);
 * per replica: CPU seconds (user + sys, ``/proc/PID/stat``), peak RSS (``VmHWM``), voluntary
   context switches (summed over the threads in ``/proc/PID/task``; a wakeup each);
-* where a run's time goes: tick to ``tick.claimed`` to ``run.started`` to the sweep's line to
+* where a run's time goes: tick to ``tick.claimed`` to the sweep's line to
   ``run.finished``, from the log's timestamps;
 * where the machine's CPU went (``/proc/stat``; the PostgreSQL server through its postmaster)
   and, on PostgreSQL, what the benchmark database's backends were doing (``pg_stat_activity``
@@ -800,7 +800,7 @@ def measure(
                 continue
             if name == "tick.claimed":
                 claims.append(event)
-            if name in ("tick.claimed", "run.started", "run.finished"):
+            if name in ("tick.claimed", "run.finished"):
                 phases.setdefault((str(event.get("sweep")), tick_us_of(event) or 0), {})[
                     str(name)
                 ] = datetime.fromisoformat(str(event["timestamp"])).timestamp()
@@ -1010,26 +1010,22 @@ def report(args: argparse.Namespace, result: Result) -> None:
 
 def phases_table(runs: list[Run], phases: dict[tuple[str, int], dict[str, float]]) -> Table:
     """Where a won tick's time goes, from the log's timestamps and the sweep's own line."""
+    # run.started is a debug line for a first attempt (tick.claimed says the run starts), so
+    # the loop's share and the thread hand-off are one phase here.
     steps: dict[str, list[float]] = {
         "tick -> tick.claimed (slot wait + claim, stale check, run row)": [],
-        "tick.claimed -> run.started (the loop)": [],
-        "run.started -> sweep's first line (thread hand-off)": [],
+        "tick.claimed -> sweep's first line (the loop, thread hand-off)": [],
         "sweep's first line -> run.finished (sweep + finish and release)": [],
     }
     labels = list(steps)
     for run in runs:
         seen = phases.get((run.sweep, run.tick_us), {})
-        claimed, started, finished = (
-            seen.get("tick.claimed"),
-            seen.get("run.started"),
-            seen.get("run.finished"),
-        )
-        if claimed is None or started is None or finished is None:
+        claimed, finished = seen.get("tick.claimed"), seen.get("run.finished")
+        if claimed is None or finished is None:
             continue
         steps[labels[0]].append(claimed - run.tick_us / 1e6)
-        steps[labels[1]].append(started - claimed)
-        steps[labels[2]].append(run.at - started)
-        steps[labels[3]].append(finished - run.at)
+        steps[labels[1]].append(run.at - claimed)
+        steps[labels[2]].append(finished - run.at)
     table = Table(
         "Phases of a run (ms; log timestamps, taken on the replica's event loop)",
         ["phase", "runs", "p50", "p90", "p99", "mean"],
