@@ -46,7 +46,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from sweepd.db.engine import db_now, db_now_plus, is_duplicate_key, make_engine, store_fault
+from sweepd.db.engine import (
+    db_now,
+    db_now_plus,
+    is_duplicate_key,
+    make_engine,
+    pg_array,
+    store_fault,
+)
 from sweepd.db.schema import UtcDateTime, sweep_leases
 from sweepd.durations import parse_duration
 from sweepd.errors import StoreError, SweepdError
@@ -430,9 +437,9 @@ class LeaseStore:
         return {
             "p_namespace": self.namespace,
             "p_holder": holder,
-            "p_names": [want.name for want in wants],
-            "p_ticks": [want.tick for want in wants],
-            "p_micros": [want.ttl // _MICRO for want in wants],
+            "p_names": pg_array(want.name for want in wants),
+            "p_ticks": pg_array(want.tick for want in wants),
+            "p_micros": pg_array(want.ttl // _MICRO for want in wants),
             "p_tolerance": self.clock_tolerance // _MICRO,
             "p_limit": limit,
         }
@@ -482,8 +489,8 @@ class LeaseStore:
         params = {
             "p_namespace": self.namespace,
             "p_holder": holder,
-            "p_names": [name for name, _ in held],
-            "p_tokens": [token for _, token in held],
+            "p_names": pg_array(name for name, _ in held),
+            "p_tokens": pg_array(token for _, token in held),
         }
         try:
             with self.engine.connect() as connection:

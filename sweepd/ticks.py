@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import BigInteger, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import driver_rows, retry_deadlocks, store_fault
+from sweepd.db.engine import driver_rows, pg_array, retry_deadlocks, store_fault
 from sweepd.errors import StoreError
 from sweepd.history import LOST_ERROR, History, Start, Status, Trigger
 from sweepd.lease import (
@@ -273,11 +273,11 @@ class TickStore:
         params: dict[str, Any] = {
             "p_namespace": self.store.namespace,
             "p_holder": self.holder,
-            "p_ids": [ending[0] for ending in endings],
-            "p_statuses": [ending[2] for ending in endings],
-            "p_errors": [ending[3] for ending in endings],
-            "p_names": [hand.name for hand in hands],
-            "p_tokens": [hand.token for hand in hands],
+            "p_ids": pg_array(ending[0] for ending in endings),
+            "p_statuses": pg_array(ending[2] for ending in endings),
+            "p_errors": pg_array(ending[3] for ending in endings),
+            "p_names": pg_array(hand.name for hand in hands),
+            "p_tokens": pg_array(hand.token for hand in hands),
         }
 
         def close() -> set[str]:

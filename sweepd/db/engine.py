@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
@@ -290,6 +290,26 @@ def driver_rows(connection: Connection, sql: str, params: Mapping[str, Any]) -> 
             connection_invalidated=dead,
             dialect=dialect,
         ) from error
+
+
+def pg_array(values: Iterable[str | int | datetime | None]) -> str:
+    """A PostgreSQL array literal of ``values``, for ``CAST(:p AS type[])``.
+
+    psycopg adapts a Python list element by element, finding a dumper for
+    each: a claim's three short lists cost about 60 us of client CPU, one
+    string each about 8, and the server parses either just as fast. Every
+    element is quoted, with backslashes before quotes and backslashes, so
+    any text survives (a name ``null`` stays a name); an aware time is
+    written with its offset, so the session's time zone cannot shift it.
+    """
+    return "{" + ",".join(_pg_element(value) for value in values) + "}"
+
+
+def _pg_element(value: str | int | datetime | None) -> str:
+    if value is None:
+        return "NULL"
+    text = value.isoformat() if isinstance(value, datetime) else str(value)
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def is_deadlock(error: DBAPIError) -> bool:

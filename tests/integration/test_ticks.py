@@ -9,8 +9,8 @@ connection that died in a fault never handed out again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import Engine, select, text
@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 from tcp_proxy import proxy_for
 
 from sweepd.db import migrate
-from sweepd.db.engine import db_now, make_engine
+from sweepd.db.engine import db_now, make_engine, pg_array
 from sweepd.db.schema import sweep_leases, sweep_runs
 from sweepd.errors import StoreError
 from sweepd.history import History
@@ -144,6 +144,40 @@ def test_a_lost_tick_is_explained_in_utc_whatever_the_sessions_time_zone(
         assert (lost.reason, lost.holder, lost.tick) == ("already_run", "a", tick(2))
         assert lost.tick is not None and lost.tick.tzinfo is UTC
         assert lost.expires_at is not None and lost.expires_at.tzinfo is UTC
+
+
+def test_array_literals_carry_any_text_and_any_time_exactly(
+    make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    """The batched statements pass their lists as array literals: nothing may be lost in them."""
+    texts = [
+        "null",
+        "NULL",
+        'say "hi"',
+        "back\\slash\\",
+        "a,b",
+        "{x}",
+        " pad ",
+        "",
+        "é ✓",
+        "a\nb",
+        None,
+    ]
+    india = timezone(timedelta(hours=5, minutes=30))
+    times = [tick(1), datetime(2026, 3, 29, 1, 30, 0, 123456, tzinfo=india), None]
+    numbers = [0, -1, 2**62]
+    with engines(make_database("postgresql")).connect() as connection:
+        connection.execute(text("SET timezone TO 'America/St_Johns'"))
+
+        def cast(values: Sequence[str | int | datetime | None], to: str) -> list[object]:
+            literal = pg_array(values)
+            return list(
+                connection.execute(text(f"SELECT CAST(:p AS {to})"), {"p": literal}).scalar_one()
+            )
+
+        assert cast(texts, "text[]") == texts
+        assert cast(times, "timestamptz[]") == times  # the same instants
+        assert cast(numbers, "bigint[]") == numbers
 
 
 def test_a_stopped_server_fails_opens_and_closes_loudly_and_the_pool_recovers(
