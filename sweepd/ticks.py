@@ -12,7 +12,7 @@ history calls one after another, in one thread hop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -31,6 +31,7 @@ from sweepd.lease import (
     RELEASE_MANY_POSTGRESQL_UPDATE,
     Claim,
     LeaseStore,
+    Lost,
     Want,
     Won,
     claim_outcome,
@@ -194,10 +195,7 @@ class TickStore:
                 found = driver_rows(connection, self._open_sql, params)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
-        rows: dict[str, _OpenedRow] = {}
-        for values in found:
-            row = _OpenedRow(*values)
-            rows[row.name] = row._replace(expires_at=_utc(row.expires_at), tick=_utc(row.tick))
+        rows = {values[0]: _OpenedRow(*values) for values in found}
         results: list[Opened | None] = []
         for ask in asks:
             row = rows[ask.sweep.name]
@@ -205,6 +203,9 @@ class TickStore:
             if claim is None:
                 results.append(None)
                 continue
+            if isinstance(claim, Lost):
+                # Only a lost claim carries the row's times out (into its log line).
+                claim = replace(claim, expires_at=_utc(claim.expires_at), tick=_utc(claim.tick))
             opened = Opened(claim)
             if isinstance(claim, Won):
                 assert row.run_id is not None  # a won claim's row is written in its statement
