@@ -8,7 +8,8 @@ slots claim for them: with ``k`` slots free, one call asks the database for
 at most ``k`` of the first ``LOOKAHEAD * k`` ticks waiting, in the replica's
 order. Those won take the slots; those lost (already run, held, early) are
 answered at once and never took one; the rest wait for the next call, which
-leaves when this one is back and a slot is free.
+leaves when this one is back and a slot is free. In a backlog it also waits,
+briefly, for the busy slots, so that one call claims for all of them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ Result = TypeVar("Result")
 # and reads back, and a burst of hundreds would resend the whole queue for
 # every few slots.
 LOOKAHEAD = 4
+# In a backlog (more ticks waiting than slots free), how long a call waits for
+# the busy slots to come back before it leaves with only the free ones. A
+# claim's time is mostly its commit, not its ticks: without the wait, slots
+# that free one after another split into groups that each pay a call for a
+# tick or two, and the backlog drains no sooner (docs/performance.md).
+GATHER_SECONDS = 0.005
 # After a call that decided nothing (every open row was busy at that
 # instant), how long to wait before asking again.
 RETRY_SECONDS = 0.002
@@ -49,12 +56,14 @@ class Slots(Generic[Item, Result]):
         claim: Callable[[list[Item], int], list[Result | StoreError | None]],
         holds: Callable[[Result], bool],
     ) -> None:
+        self.size = size
         self.free = size
         self.claim = claim
         self.holds = holds
         self.draining = False
         self._waiting: deque[tuple[Item, asyncio.Future[Result | None]]] = deque()
         self._calling: asyncio.Task[None] | None = None
+        self._all_back: asyncio.Future[None] | None = None  # set while a call gathers
 
     async def take(self, item: Item) -> Result | None:
         """The claim's result for ``item``, or None if draining began before it was decided.
@@ -72,12 +81,15 @@ class Slots(Generic[Item, Result]):
 
     def give_back(self) -> None:
         self.free += 1
+        if self.free == self.size:
+            self._stop_gathering()
         self._wake()
 
     def drain(self) -> None:
         """Answer every waiting tick with None; what is being claimed now still comes back."""
         self.draining = True
         self._dismiss()
+        self._stop_gathering()
 
     def _dismiss(self) -> None:
         waiting, self._waiting = self._waiting, deque()
@@ -97,6 +109,10 @@ class Slots(Generic[Item, Result]):
         """
         try:
             while self.free > 0 and not self.draining:
+                if self.free < self.size and len(self._waiting) > self.free:
+                    await self._gather()
+                    if self.draining:
+                        break
                 batch = self._next(self.free * LOOKAHEAD)
                 if not batch:
                     break
@@ -117,6 +133,21 @@ class Slots(Generic[Item, Result]):
                     await asyncio.sleep(RETRY_SECONDS)
         finally:
             self._calling = None
+
+    async def _gather(self) -> None:
+        """Wait up to ``GATHER_SECONDS`` for every busy slot to come back."""
+        loop = asyncio.get_running_loop()
+        self._all_back = loop.create_future()
+        timer = loop.call_later(GATHER_SECONDS, self._stop_gathering)
+        try:
+            await self._all_back
+        finally:
+            timer.cancel()
+            self._all_back = None
+
+    def _stop_gathering(self) -> None:
+        if self._all_back is not None and not self._all_back.done():
+            self._all_back.set_result(None)
 
     def _next(self, most: int) -> list[tuple[Item, asyncio.Future[Result | None]]]:
         """Take up to ``most`` waiting ticks off the front, dropping those whose flight is gone."""

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from sweepd import slots as slots_module
 from sweepd.errors import StoreError
 from sweepd.slots import LOOKAHEAD, Slots
 
@@ -177,3 +178,84 @@ def test_ticks_out_in_a_claim_when_draining_begins_are_answered() -> None:
 
     assert asyncio.run(scenario()) == ["won", None, None]
     assert database.calls == [(["s0", "s1", "s2"], 1)]
+
+
+def test_in_a_backlog_a_call_waits_for_the_busy_slots() -> None:
+    # Slots that come back one after another would otherwise split into
+    # groups that each pay a call for a tick or two.
+    database = Database()
+
+    async def scenario() -> None:
+        slots = slots_for(database, 4)
+        tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(10)]
+        await asyncio.sleep(0.01)
+        assert [limit for _, limit in database.calls] == [4]
+        slots.give_back()
+        await asyncio.sleep(0)
+        slots.give_back()
+        await asyncio.sleep(0)
+        slots.give_back()
+        await asyncio.sleep(0)
+        slots.give_back()
+        await asyncio.sleep(0.01)
+        assert [limit for _, limit in database.calls] == [4, 4]
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_gathering_call_leaves_with_the_free_slots_when_the_rest_stay_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(slots_module, "GATHER_SECONDS", 0.1)
+    database = Database()
+
+    async def scenario() -> float:
+        slots = slots_for(database, 2)
+        tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(5)]
+        await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        freed = loop.time()
+        slots.give_back()  # the other slot stays busy
+        await asyncio.sleep(0.05)
+        assert len(database.calls) == 1, "left before the gather was over"
+        await asyncio.wait_for(tasks[2], 1)
+        waited = loop.time() - freed
+        for task in tasks:
+            task.cancel()
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert [limit for _, limit in database.calls] == [2, 1]
+    assert 0.1 <= waited < 0.5
+
+
+def test_without_a_backlog_a_tick_is_claimed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slots_module, "GATHER_SECONDS", 10.0)
+    database = Database()
+
+    async def scenario() -> str | None:
+        slots = slots_for(database, 2)
+        await slots.take("busy")  # one slot held, one free
+        return await asyncio.wait_for(slots.take("s0"), 1)
+
+    assert asyncio.run(scenario()) == "won"
+    assert [limit for _, limit in database.calls] == [2, 1]
+
+
+def test_draining_ends_a_gather_and_answers_the_backlog(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slots_module, "GATHER_SECONDS", 10.0)
+    database = Database()
+
+    async def scenario() -> list[str | None]:
+        slots = slots_for(database, 2)
+        tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(5)]
+        await asyncio.sleep(0.01)
+        slots.give_back()  # a backlog, one slot busy: the next call gathers
+        await asyncio.sleep(0.01)
+        slots.drain()
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 1))
+
+    assert asyncio.run(scenario()) == ["won", "won", None, None, None]
+    assert len(database.calls) == 1
