@@ -12,7 +12,7 @@ history calls one after another, in one thread hop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -205,7 +205,7 @@ class TickStore:
                 continue
             if isinstance(claim, Lost):
                 # Only a lost claim carries the row's times out (into its log line).
-                claim = replace(claim, expires_at=_utc(claim.expires_at), tick=_utc(claim.tick))
+                claim = Lost(claim.reason, claim.holder, _utc(claim.expires_at), _utc(claim.tick))
             opened = Opened(claim)
             if isinstance(claim, Won):
                 assert row.run_id is not None  # a won claim's row is written in its statement
