@@ -195,7 +195,7 @@ class TickStore:
                 found = driver_rows(connection, self._open_sql, params)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
-        rows = {values[0]: _OpenedRow(*values) for values in found}
+        rows = {row.name: row for row in (_OpenedRow(*values) for values in found)}
         results: list[Opened | None] = []
         for ask in asks:
             row = rows[ask.sweep.name]

@@ -301,8 +301,8 @@ def pg_array(values: Iterable[str | int | datetime | None]) -> str:
     element is quoted, with backslashes before quotes and backslashes, so
     any text survives (a name ``null`` stays a name); an aware time is
     written with its offset, so the session's time zone cannot shift it.
-    One loop, no call per element: a claim sends three of these for every
-    tick it asks about.
+    A claim sends three of these, an element in each for every tick it asks
+    about: hence one loop, and no call per element.
     """
     parts: list[str] = []
     for value in values:
