@@ -42,6 +42,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -300,6 +301,16 @@ class _Statements:
         mine = and_(key, t.holder == bindparam("p_holder"), t.fencing_token == bindparam("p_token"))
         self.renew = update(sweep_leases).where(mine).values(expires_at=ttl)
         self.release = update(sweep_leases).where(mine).values(expires_at=db_now())
+        # SQLite: the releases of one close as one statement. SQLite has one
+        # writer at a time, so no row order is needed; the names it returns
+        # are the leases this holder still had under those tokens.
+        held = tuple_(t.name, t.fencing_token).in_(bindparam("p_held", expanding=True))
+        self.release_many = (
+            update(sweep_leases)
+            .where(t.namespace == bindparam("p_namespace"), t.holder == bindparam("p_holder"), held)
+            .values(expires_at=db_now())
+            .returning(t.name)
+        )
         self.read = select(sweep_leases).where(key)
 
 
@@ -481,11 +492,13 @@ class LeaseStore:
     def release_many(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
         """``release`` for several (name, token) leases of ``holder``; never raises.
 
-        One statement on PostgreSQL (rows locked in name order); one release
-        each elsewhere.
+        One statement on PostgreSQL (rows locked in name order) and SQLite;
+        one release each on MySQL/MariaDB, whose UPDATE returns no rows.
         """
-        if self.engine.dialect.name != "postgresql" or len(held) < 2:
+        if len(held) < 2 or self.engine.dialect.name == "mysql":
             return [self.release(name, holder, token) for name, token in held]
+        if self.engine.dialect.name == "sqlite":
+            return self._release_many_sqlite(holder, held)
         params = {
             "p_namespace": self.namespace,
             "p_holder": holder,
@@ -495,6 +508,15 @@ class LeaseStore:
         try:
             with self.engine.connect() as connection:
                 freed = set(connection.execute(_RELEASE_MANY_POSTGRESQL, params).scalars())
+        except SQLAlchemyError:
+            return [False] * len(held)
+        return [name in freed for name, _ in held]
+
+    def _release_many_sqlite(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
+        params = {"p_namespace": self.namespace, "p_holder": holder, "p_held": held}
+        try:
+            with self.engine.connect() as connection:
+                freed = set(connection.execute(self._sql.release_many, params).scalars())
         except SQLAlchemyError:
             return [False] * len(held)
         return [name in freed for name, _ in held]

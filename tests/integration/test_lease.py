@@ -131,6 +131,33 @@ def test_a_winning_claim_is_one_statement_once_the_row_exists(
         event.remove(engine, "before_cursor_execute", count)
 
 
+def test_a_batch_release_frees_only_what_the_holder_still_has_under_its_token(
+    engine: Engine, store: LeaseStore
+) -> None:
+    mine = _won(store.claim("mine", "a", TTL, tick(1)))
+    stale = _won(store.claim("stale", "a", TTL, tick(1)))  # then taken over: an old token
+    store.release("stale", "a", stale.token)
+    taken = _won(store.claim("stale", "b", TTL, tick(2)))
+    theirs = _won(store.claim("theirs", "b", TTL, tick(1)))
+    statements: list[str] = []
+
+    def count(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        statements.append(statement)
+
+    held = [("mine", mine.token), ("stale", stale.token), ("theirs", theirs.token), ("none", 1)]
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        assert store.release_many("a", held) == [True, False, False, False]
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    # One statement where the dialect can say which rows it changed; one each on MySQL.
+    assert len(statements) == (len(held) if engine.dialect.name == "mysql" else 1), statements
+    # Only "a"'s lease was freed: the others still hold theirs.
+    for name, holder, token in (("stale", "b", taken.token), ("theirs", "b", theirs.token)):
+        assert store.renew(name, holder, token, TTL), name
+    assert _won(store.claim("mine", "c", TTL, tick(2))).token == mine.token + 1
+
+
 def _won(outcome: object) -> Won:
     assert isinstance(outcome, Won), outcome
     return outcome
