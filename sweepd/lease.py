@@ -46,6 +46,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.sql import Executable
 
 from sweepd.db.engine import (
     db_now,
@@ -301,11 +302,12 @@ class _Statements:
         mine = and_(key, t.holder == bindparam("p_holder"), t.fencing_token == bindparam("p_token"))
         self.renew = update(sweep_leases).where(mine).values(expires_at=ttl)
         self.release = update(sweep_leases).where(mine).values(expires_at=db_now())
-        # SQLite: the releases of one close as one statement. SQLite has one
-        # writer at a time, so no row order is needed; the names it returns
-        # are the leases this holder still had under those tokens.
+        # SQLite only (PostgreSQL's locks its rows in order, MySQL's UPDATE
+        # returns nothing): the releases of one close as one statement. SQLite
+        # has one writer at a time, so no row order is needed; the names it
+        # returns are the leases this holder still had under those tokens.
         held = tuple_(t.name, t.fencing_token).in_(bindparam("p_held", expanding=True))
-        self.release_many = (
+        self.release_many_sqlite = (
             update(sweep_leases)
             .where(t.namespace == bindparam("p_namespace"), t.holder == bindparam("p_holder"), held)
             .values(expires_at=db_now())
@@ -495,28 +497,20 @@ class LeaseStore:
         One statement on PostgreSQL (rows locked in name order) and SQLite;
         one release each on MySQL/MariaDB, whose UPDATE returns no rows.
         """
-        if len(held) < 2 or self.engine.dialect.name == "mysql":
+        dialect = self.engine.dialect.name
+        if len(held) < 2 or dialect == "mysql":
             return [self.release(name, holder, token) for name, token in held]
-        if self.engine.dialect.name == "sqlite":
-            return self._release_many_sqlite(holder, held)
-        params = {
-            "p_namespace": self.namespace,
-            "p_holder": holder,
-            "p_names": pg_array(name for name, _ in held),
-            "p_tokens": pg_array(token for _, token in held),
-        }
+        params: dict[str, Any] = {"p_namespace": self.namespace, "p_holder": holder}
+        if dialect == "postgresql":
+            statement: Executable = _RELEASE_MANY_POSTGRESQL
+            params["p_names"] = pg_array(name for name, _ in held)
+            params["p_tokens"] = pg_array(token for _, token in held)
+        else:
+            statement = self._sql.release_many_sqlite
+            params["p_held"] = held
         try:
             with self.engine.connect() as connection:
-                freed = set(connection.execute(_RELEASE_MANY_POSTGRESQL, params).scalars())
-        except SQLAlchemyError:
-            return [False] * len(held)
-        return [name in freed for name, _ in held]
-
-    def _release_many_sqlite(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
-        params = {"p_namespace": self.namespace, "p_holder": holder, "p_held": held}
-        try:
-            with self.engine.connect() as connection:
-                freed = set(connection.execute(self._sql.release_many, params).scalars())
+                freed = set(connection.execute(statement, params).scalars())
         except SQLAlchemyError:
             return [False] * len(held)
         return [name in freed for name, _ in held]

@@ -180,6 +180,15 @@ def test_ticks_out_in_a_claim_when_draining_begins_are_answered() -> None:
     assert database.calls == [(["s0", "s1", "s2"], 1)]
 
 
+async def calls_made(database: Database, count: int, within: float = 2.0) -> list[int]:
+    """The limits of the calls made, once there are ``count`` of them (a bounded wait)."""
+    deadline = asyncio.get_running_loop().time() + within
+    while len(database.calls) < count:
+        assert asyncio.get_running_loop().time() < deadline, database.calls
+        await asyncio.sleep(0.001)
+    return [limit for _, limit in database.calls]
+
+
 def test_in_a_backlog_a_call_waits_for_the_busy_slots() -> None:
     # Slots that come back one after another would otherwise split into
     # groups that each pay a call for a tick or two.
@@ -188,8 +197,8 @@ def test_in_a_backlog_a_call_waits_for_the_busy_slots() -> None:
     async def scenario() -> None:
         slots = slots_for(database, 4)
         tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(10)]
-        await asyncio.sleep(0.01)
-        assert [limit for _, limit in database.calls] == [4]
+        assert await calls_made(database, 1) == [4]
+        await asyncio.wait_for(asyncio.gather(*tasks[:4]), 2)  # won: every slot held
         slots.give_back()
         await asyncio.sleep(0)
         slots.give_back()
@@ -197,8 +206,7 @@ def test_in_a_backlog_a_call_waits_for_the_busy_slots() -> None:
         slots.give_back()
         await asyncio.sleep(0)
         slots.give_back()
-        await asyncio.sleep(0.01)
-        assert [limit for _, limit in database.calls] == [4, 4]
+        assert await calls_made(database, 2) == [4, 4]
         for task in tasks:
             task.cancel()
 
