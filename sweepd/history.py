@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy import Engine, bindparam, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import db_now, retry_deadlocks, store_fault
+from sweepd.db.engine import DriverStatement, db_now, driver_times, retry_deadlocks, store_fault
 from sweepd.db.schema import ERROR_LENGTH, UtcDateTime, sweep_runs
 from sweepd.errors import StoreError
 
@@ -91,14 +91,22 @@ class _Statements:
             c.name.in_(bindparam("p_names", expanding=True)),
             c.status == "running",
         )
+        lost = {"status": "lost", "finished_at": db_now(), "error": LOST_ERROR}
         self.mark_lost = (
             update(sweep_runs)
             .where(c.id.in_(bindparam("p_ids", expanding=True)), c.status == "running")
-            .values(
-                status="lost",
-                finished_at=db_now(),
-                error=LOST_ERROR,
-            )
+            .values(**lost)
+        )
+        # One sweep's, for a driver cursor (SQLite), which cannot expand a list.
+        self.stale_of_one = select(c.id, c.fencing_token).where(
+            c.namespace == bindparam("p_namespace"),
+            c.name == bindparam("p_name"),
+            c.status == "running",
+        )
+        self.mark_lost_one = (
+            update(sweep_runs)
+            .where(c.id == bindparam("p_id"), c.status == "running")
+            .values(**lost)
         )
 
 
@@ -109,6 +117,11 @@ class History:
     def __init__(self, engine: Engine, namespace: str) -> None:
         self.engine = engine
         self.namespace = namespace
+        if engine.dialect.name == "sqlite":
+            self._stale_in = DriverStatement(_SQL.stale_of_one, engine.dialect)
+            self._mark_lost_in = DriverStatement(_SQL.mark_lost_one, engine.dialect)
+            self._start_in = DriverStatement(_SQL.start, engine.dialect)
+            self._time_in, _ = driver_times(engine.dialect)
 
     def start(
         self,
@@ -169,6 +182,33 @@ class History:
                 return ids
         except SQLAlchemyError as error:
             raise store_fault("run start", starts[0].name, self.engine, error) from error
+
+    def open_in(self, cursor: Any, starts: list[Start]) -> tuple[dict[str, int], list[int]]:
+        """SQLite: for just-claimed runs, on a driver cursor inside the claim's write
+        transaction (``sqlite_write``), mark their sweeps' rows left ``running``
+        under an older token lost, then write their rows. How many were marked
+        lost, per sweep, and the new rows' ids in order."""
+        lost: dict[str, int] = {}
+        ids: list[int] = []
+        for start in starts:
+            params = self._start_in.params(
+                p_namespace=self.namespace,
+                p_name=start.name,
+                p_tick=self._time_in(start.tick),
+                p_holder=start.holder,
+                p_token=start.token,
+                p_attempt=start.attempt,
+                p_trigger=start.trigger,
+            )
+            stale = self._stale_in.params(p_namespace=self.namespace, p_name=start.name)
+            cursor.execute(self._stale_in.sql, stale)
+            for run_id, token in cursor.fetchall():
+                if token < start.token:
+                    cursor.execute(self._mark_lost_in.sql, self._mark_lost_in.params(p_id=run_id))
+                    lost[start.name] = lost.get(start.name, 0) + 1
+            cursor.execute(self._start_in.sql, params)
+            ids.append(int(cursor.lastrowid))
+        return lost, ids
 
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended (only while the row still says ``running``)."""

@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar, overload
 
 from sqlalchemy import (
     BigInteger,
@@ -49,8 +49,10 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.sql import Executable
 
 from sweepd.db.engine import (
+    DriverStatement,
     db_now,
     db_now_plus,
+    driver_times,
     is_duplicate_key,
     make_engine,
     pg_array,
@@ -337,6 +339,10 @@ class LeaseStore:
         self.clock_tolerance = clock_tolerance
         self._mysql = engine.dialect.name == "mysql"
         self._sql = _Statements(engine.dialect.name)
+        if engine.dialect.name == "sqlite":
+            self._claim_in = DriverStatement(self._sql.claim_tick, engine.dialect)
+            self._explain_in = DriverStatement(self._sql.explain, engine.dialect)
+            self._time_in, self._time_out = driver_times(engine.dialect)
 
     def _params(self, name: str, **more: Any) -> dict[str, Any]:
         return {"p_namespace": self.namespace, "p_name": name, **more}
@@ -445,6 +451,52 @@ class LeaseStore:
         unseen = {want.name for want in wants if rows[want.name].holder is None}
         return results, unseen
 
+    def claim_in(
+        self, cursor: Any, holder: str, wants: list[Want], limit: int
+    ) -> tuple[list[Claim | None], set[str]]:
+        """SQLite: claim at most ``limit`` of ``wants`` (scheduled ticks), in order, on
+        a driver cursor inside the caller's write transaction (``sqlite_write``).
+
+        The caller writes its run rows in the same transaction, so a tick is
+        never claimed without its row, and the batch pays one commit. Each
+        want is one short statement, run in-process: around a single claim,
+        SQLAlchemy's layers cost several times the statement. None: not
+        decided, being beyond the limit or without a row yet; those names
+        are returned, for the single claim to insert.
+        """
+        results: list[Claim | None] = []
+        unseen: set[str] = set()
+        won = 0
+        tolerance = self.clock_tolerance // _MICRO
+        for want in wants:
+            if won >= limit:
+                results.append(None)
+                continue
+            params = self._claim_in.params(
+                p_namespace=self.namespace,
+                p_name=want.name,
+                p_holder=holder,
+                p_micros=want.ttl // _MICRO,
+                p_tick=self._time_in(want.tick),
+                p_tolerance=tolerance,
+            )
+            cursor.execute(self._claim_in.sql, params)
+            row = cursor.fetchone()
+            if row is not None:
+                won += 1
+                results.append(Won(token=int(row[0]), holder=holder, tick=want.tick))
+                continue
+            cursor.execute(self._explain_in.sql, params)
+            found = cursor.fetchone()
+            if found is None:
+                unseen.add(want.name)
+                results.append(None)
+                continue
+            lease_holder, expires_at, tick, early = found
+            seen = _Seen(lease_holder, self._time_out(expires_at), self._time_out(tick), early)
+            results.append(_reason(seen, want.tick))
+        return results, unseen
+
     def claim_upto_params(self, holder: str, wants: list[Want], limit: int) -> dict[str, Any]:
         """The bind parameters of ``CLAIM_UPTO_POSTGRESQL_CTES``."""
         return {
@@ -546,6 +598,15 @@ def claim_outcome(row: Any, holder: str, tick: datetime | None) -> Claim | None:
     if row.holder is None or (row.open and not row.early):
         return None
     return _reason(row, tick)
+
+
+class _Seen(NamedTuple):
+    """A lease row as a lost claim found it, read on a driver cursor."""
+
+    holder: str
+    expires_at: datetime | None
+    tick: datetime | None
+    early: bool
 
 
 def _reason(row: Any, tick: datetime | None) -> Lost:

@@ -6,8 +6,10 @@ ticks, the stale-row check and the new ``running`` rows travel together,
 and so do the finished rows and the releases. One statement is also one
 transaction: a tick is never claimed without its row, and a lease is never
 freed before its row says how the run ended (else the next holder would
-mark a finished run lost). Elsewhere the same steps are the lease and
-history calls one after another, in one thread hop.
+mark a finished run lost). On SQLite the claims, stale checks and rows of a
+batch are short statements in one write transaction on the driver's cursor,
+with the same all-or-nothing result. On MySQL/MariaDB the same steps are the
+lease and history calls one after another, in one thread hop.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import BigInteger, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import driver_rows, pg_array, retry_deadlocks, store_fault
+from sweepd.db.engine import driver_rows, pg_array, retry_deadlocks, sqlite_write, store_fault
 from sweepd.errors import StoreError
 from sweepd.history import LOST_ERROR, History, Start, Status, Trigger
 from sweepd.lease import (
@@ -147,6 +149,7 @@ class TickStore:
         self.holder = holder
         self.engine = store.engine
         self._postgresql = self.engine.dialect.name == "postgresql"
+        self._sqlite = self.engine.dialect.name == "sqlite"
         if self._postgresql:
             # Compiled once, to the driver's own SQL: these two statements are
             # every tick's, so they skip SQLAlchemy's execution layer.
@@ -160,14 +163,17 @@ class TickStore:
         those won, mark stale rows lost and write the first row. None for an ask
         not decided yet (ask again).
 
-        Only a claim's failure fails its ask: a won tick whose stale check or
-        row failed is reported as such, so that its lease is still released.
+        Where a batch is one transaction (PostgreSQL, SQLite) its failure
+        fails every ask in it and claims none. Elsewhere only a claim's failure
+        fails its ask: a won tick whose stale check or row failed is reported
+        as such, so that its lease is still released.
         """
         results: list[Opened | StoreError | None] = [None] * len(asks)
         rest = list(range(len(asks)))
-        if self._postgresql:
+        if self._postgresql or self._sqlite:
             batch = [i for i, ask in enumerate(asks) if self._batchable(ask)]
-            found, unseen = self._open_postgresql([asks[i] for i in batch], limit)
+            open_batch = self._open_postgresql if self._postgresql else self._open_sqlite
+            found, unseen = open_batch([asks[i] for i in batch], limit)
             for i, found_one in zip(batch, found, strict=True):
                 results[i] = found_one
             # Left to the calls in turn: manual runs, and first claims (no row yet).
@@ -213,6 +219,35 @@ class TickStore:
                 opened.lost_runs = int(row.lost_runs)
             results.append(opened)
         return results, {ask.sweep.name for ask in asks if rows[ask.sweep.name].holder is None}
+
+    def _open_sqlite(self, asks: list[Ask], limit: int) -> tuple[list[Opened | None], set[str]]:
+        """The claims, stale checks and rows in one write transaction, on the driver's cursor."""
+        if not asks:
+            return [], set()
+        wants = [Want(ask.sweep.name, ask.sweep.ttl, ask.tick) for ask in asks]
+        try:
+            with self.engine.connect() as connection, sqlite_write(connection) as cursor:
+                claims, unseen = self.store.claim_in(cursor, self.holder, wants, limit)
+                starts = [
+                    Start(ask.sweep.name, ask.tick, self.holder, claim.token, 1, ask.trigger)
+                    for ask, claim in zip(asks, claims, strict=True)
+                    if isinstance(claim, Won)
+                ]
+                lost, ids = self.history.open_in(cursor, starts)
+        except SQLAlchemyError as error:
+            raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
+        started = iter(ids)
+        results: list[Opened | None] = []
+        for ask, claim in zip(asks, claims, strict=True):
+            if claim is None:
+                results.append(None)
+                continue
+            opened = Opened(claim)
+            if isinstance(claim, Won):
+                opened.started = next(started)
+                opened.lost_runs = lost.get(ask.sweep.name, 0)
+            results.append(opened)
+        return results, unseen
 
     def _open_each(self, asks: list[Ask], limit: int) -> list[Opened | StoreError | None]:
         """The lease and history calls in turn: claim, mark stale rows lost, write rows."""

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Dialect, Engine, create_engine, event
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 
@@ -258,38 +261,111 @@ def store_fault(
     return StoreError(message, transient=transient)
 
 
-def driver_rows(connection: Connection, sql: str, params: Mapping[str, Any]) -> list[Any]:
-    """Run ``sql`` (in the driver's own parameter style) on the connection's
-    driver cursor and return its rows as the driver gives them.
-
-    For the daemon's few hot statements only: SQLAlchemy's execution and
-    result layers are about a third of such a call's client CPU, paid on
-    every tick. A failure comes out as from ``Connection.execute``: a
-    ``DBAPIError`` around the driver's exception, and a connection the
-    dialect calls dead is invalidated, so the pool never hands it out again.
-    """
+@contextmanager
+def _driver_errors(connection: Connection, sql: str, params: Any) -> Iterator[None]:
+    """Raise the driver's exceptions as ``Connection.execute`` would: a
+    ``DBAPIError`` around them, and a connection the dialect calls dead
+    invalidated, so the pool never hands it out again."""
     dialect = connection.dialect
     dbapi_connection = connection.connection.dbapi_connection
-    assert dbapi_connection is not None  # a checked-out connection always has one
     try:
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(sql, params)
-            return list(cursor.fetchall())
-        finally:
-            cursor.close()
+        yield
     except dialect.loaded_dbapi.Error as error:
-        dead = dialect.is_disconnect(error, dbapi_connection, None)
-        if dead:
+        if not connection.invalidated and dialect.is_disconnect(error, dbapi_connection, None):
             connection.invalidate(error)
         raise DBAPIError.instance(
             sql,
             params,
             error,
             dialect.loaded_dbapi.Error,
-            connection_invalidated=dead,
+            connection_invalidated=connection.invalidated,
             dialect=dialect,
         ) from error
+
+
+def driver_rows(connection: Connection, sql: str, params: Mapping[str, Any]) -> list[Any]:
+    """Run ``sql`` (in the driver's own parameter style) on the connection's
+    driver cursor and return its rows as the driver gives them.
+
+    For the daemon's few hot statements only: SQLAlchemy's execution and
+    result layers are about a third of such a call's client CPU, paid on
+    every tick. A failure comes out as from ``Connection.execute``.
+    """
+    dbapi_connection = connection.connection.dbapi_connection
+    assert dbapi_connection is not None  # a checked-out connection always has one
+    with _driver_errors(connection, sql, params):
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+        finally:
+            cursor.close()
+
+
+class DriverStatement:
+    """A Core statement compiled once to the driver's own SQL, for a driver cursor.
+
+    SQLite's compiled form uses named parameters, which its driver takes
+    from a mapping and, unlike positions, ignores when unused: one mapping
+    can serve a claim and the reading that explains its loss.
+    """
+
+    def __init__(self, statement: ClauseElement, dialect: Dialect) -> None:
+        if dialect.name == "sqlite":
+            dialect = _SQLITE_NAMED
+        compiled = statement.compile(dialect=dialect)
+        self.sql = str(compiled)
+        # Values the statement carries itself (a literal status, the 1 of token + 1).
+        self.fixed = {k: v for k, v in compiled.params.items() if v is not None}
+
+    def params(self, **values: Any) -> dict[str, Any]:
+        return {**self.fixed, **values}
+
+
+_SQLITE_NAMED = sqlite_dialect.dialect(paramstyle="named")
+
+
+def driver_times(
+    dialect: Dialect,
+) -> tuple[Callable[[datetime | None], Any], Callable[[Any], datetime | None]]:
+    """An aware time to the driver's value and back, as SQLAlchemy would convert
+    it, for a ``DriverStatement``: SQLite keeps times as text whose layout its
+    comparisons depend on."""
+    impl = UtcDateTime().dialect_impl(dialect)
+    to_driver, from_driver = impl.bind_processor(dialect), impl.result_processor(dialect, None)
+    assert to_driver is not None and from_driver is not None
+    return to_driver, from_driver
+
+
+@contextmanager
+def sqlite_write(connection: Connection) -> Iterator[Any]:
+    """A driver cursor inside ``BEGIN IMMEDIATE`` ... ``COMMIT`` on a SQLite connection.
+
+    For statements that must land together, or not at all. IMMEDIATE takes
+    the file's one write lock before the first statement (waiting up to the
+    busy timeout), so what they read no other writer changes before they
+    commit, and the whole batch pays one commit instead of one each. On any
+    failure the transaction is rolled back; if even that fails the
+    connection is invalidated, since one returned to the pool mid-transaction
+    would keep the write lock and stall every writer of the file.
+    """
+    dbapi_connection = connection.connection.dbapi_connection
+    assert dbapi_connection is not None  # a checked-out connection always has one
+    with _driver_errors(connection, "BEGIN IMMEDIATE", None):
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                yield cursor
+                cursor.execute("COMMIT")
+            except BaseException as error:
+                try:
+                    dbapi_connection.rollback()
+                except Exception:
+                    connection.invalidate(error if isinstance(error, Exception) else None)
+                raise
+        finally:
+            cursor.close()
 
 
 def pg_array(values: Iterable[str | int | datetime | None]) -> str:

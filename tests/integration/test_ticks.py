@@ -220,3 +220,112 @@ def test_a_missing_table_fails_the_batched_open_as_a_fault_that_will_not_pass(
     with pytest.raises(StoreError, match="UndefinedTable") as raised:
         open_all(store, 2)
     assert not raised.value.transient
+
+
+def test_a_batch_explains_each_tick_it_does_not_win_and_leaves_the_rest_undecided(
+    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database(dialect)
+    migrate.upgrade(url)
+    engine = engines(url)
+    a, b = ticks_of(engine, "a"), ticks_of(engine, "b")
+    close_all(a, open_all(a, 1))
+    held, ran, early = SWEEPS
+    [holding] = b.open_upto([Ask(held, tick(2), "schedule")], 1)  # b holds it, still running
+    [newer] = b.open_upto([Ask(ran, tick(3), "schedule")], 1)
+    assert isinstance(holding, Opened) and isinstance(newer, Opened)
+    assert isinstance(newer.claim, Won) and isinstance(newer.started, int)
+    b.close_many([Hand(ran.name, newer.claim.token, (newer.started, ran.name, "success", None))])
+    future = datetime.now(UTC) + timedelta(hours=1)
+
+    found = a.open_upto(
+        [
+            Ask(held, tick(5), "schedule"),
+            Ask(ran, tick(2), "schedule"),
+            Ask(early, future, "schedule"),
+        ],
+        3,
+    )
+    claims = [one.claim if isinstance(one, Opened) else one for one in found]
+    assert [c.reason if isinstance(c, Lost) else c for c in claims] == [
+        "lease_held",
+        "already_run",
+        "clock_skew",
+    ]
+    lease_held, already_run, _ = claims
+    assert isinstance(lease_held, Lost) and isinstance(already_run, Lost)
+    assert lease_held.holder == "b" and lease_held.tick == tick(2)
+    assert lease_held.expires_at is not None and lease_held.expires_at > datetime.now(UTC)
+    assert already_run.tick == tick(3) and already_run.expires_at is not None
+    assert already_run.expires_at.tzinfo is not None
+
+    # Two open ticks and a limit of one: the second is not decided, and stays unclaimed.
+    first, second = a.open_upto([Ask(ran, tick(4), "schedule"), Ask(early, tick(4), "schedule")], 1)
+    assert isinstance(first, Opened) and first.claim == Won(3, "a", tick(4))
+    assert second is None
+    [later] = a.open_upto([Ask(early, tick(4), "schedule")], 1)
+    assert isinstance(later, Opened) and later.claim == Won(2, "a", tick(4))
+
+
+def test_a_batch_marks_the_rows_an_older_holder_left_running_lost(
+    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database(dialect)
+    migrate.upgrade(url)
+    engine = engines(url)
+    a, b = ticks_of(engine, "a"), ticks_of(engine, "b")
+    close_all(a, open_all(a, 1))
+    crashed = open_all(a, 2)  # a dies here: its rows stay running, its leases run out
+    with engine.connect() as connection:
+        connection.execute(sweep_leases.update().values(expires_at=T0))
+
+    taken = open_all(b, 3)
+    assert [o.claim for o in taken] == [Won(3, "b", tick(3))] * len(SWEEPS)
+    assert [o.lost_runs for o in taken] == [1] * len(SWEEPS)
+    with engine.connect() as connection:
+        rows = dict(connection.execute(select(sweep_runs.c.id, sweep_runs.c.status)).all())
+    assert {rows[o.started] for o in crashed if isinstance(o.started, int)} == {"lost"}
+    assert {rows[o.started] for o in taken if isinstance(o.started, int)} == {"running"}
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_batch_whose_rows_cannot_be_written_claims_nothing(
+    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database(dialect)
+    migrate.upgrade(url)
+    store, other = ticks_of(engines(url), "a"), engines(url)
+    close_all(store, open_all(store, 1))
+    with other.connect() as connection:
+        if dialect == "sqlite":
+            connection.execute(
+                text(
+                    "CREATE TRIGGER no_rows BEFORE INSERT ON sweep_runs "
+                    "BEGIN SELECT RAISE(ABORT, 'no rows today'); END"
+                )
+            )
+        else:
+            connection.execute(
+                text(
+                    "CREATE FUNCTION no_rows() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN RAISE EXCEPTION 'no rows today'; END $$"
+                )
+            )
+            connection.execute(
+                text(
+                    "CREATE TRIGGER no_rows BEFORE INSERT ON sweep_runs "
+                    "FOR EACH ROW EXECUTE FUNCTION no_rows()"
+                )
+            )
+
+    with pytest.raises(StoreError, match="no rows today"):
+        store.open_upto([Ask(sweep, tick(2), "schedule") for sweep in SWEEPS], len(SWEEPS))
+
+    with other.connect() as connection:
+        leases = connection.execute(select(sweep_leases.c.fencing_token, sweep_leases.c.tick)).all()
+        assert leases == [(1, tick(1))] * len(SWEEPS)  # no claim of tick 2 survived
+        # Nothing holds SQLite's write lock either: this would wait out the busy timeout.
+        connection.execute(
+            text("DROP TRIGGER no_rows" + (" ON sweep_runs" if dialect != "sqlite" else ""))
+        )
+    assert [o.claim for o in open_all(store, 2)] == [Won(2, "a", tick(2))] * len(SWEEPS)
