@@ -123,6 +123,14 @@ _CLOSE_POSTGRESQL = text(
 )
 
 
+# A batch of more ticks than this is planned for its own arrays on every run.
+# psycopg prepares a statement after its fifth run, and PostgreSQL then keeps
+# a generic plan, which cannot see how long the arrays are. For 16 ticks that
+# plan is the faster (0.9 ms against 1.4 for planning each time); for 200
+# ticks, 67 of them won, it took 15 ms where a plan for the arrays took 6.
+PLAN_EACH_TIME_OVER = 32
+
+
 class _OpenedRow(NamedTuple):
     """A row of ``_OPEN_POSTGRESQL`` as the driver returns it, in column order."""
 
@@ -140,6 +148,10 @@ class _OpenedRow(NamedTuple):
 def _utc(value: datetime | None) -> datetime | None:
     # The driver gives timestamptz in the session's time zone; sweepd speaks UTC.
     return None if value is None else value.astimezone(UTC)
+
+
+def _prepare(size: int) -> bool | None:
+    return False if size > PLAN_EACH_TIME_OVER else None
 
 
 class TickStore:
@@ -198,7 +210,7 @@ class TickStore:
         params["p_lost_error"] = LOST_ERROR
         try:
             with self.engine.connect() as connection:
-                found = driver_rows(connection, self._open_sql, params)
+                found = driver_rows(connection, self._open_sql, params, prepare=_prepare(len(asks)))
         except SQLAlchemyError as error:
             raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
         rows = {row.name: row for row in (_OpenedRow(*values) for values in found)}
@@ -318,7 +330,10 @@ class TickStore:
 
         def close() -> set[str]:
             with self.engine.connect() as connection:
-                return {name for (name,) in driver_rows(connection, self._close_sql, params)}
+                rows = driver_rows(
+                    connection, self._close_sql, params, prepare=_prepare(len(hands))
+                )
+                return {name for (name,) in rows}
 
         try:
             freed = retry_deadlocks(close)

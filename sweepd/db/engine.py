@@ -283,20 +283,25 @@ def _driver_errors(connection: Connection, sql: str, params: Any) -> Iterator[No
         ) from error
 
 
-def driver_rows(connection: Connection, sql: str, params: Mapping[str, Any]) -> list[Any]:
+def driver_rows(
+    connection: Connection, sql: str, params: Mapping[str, Any], *, prepare: bool | None = None
+) -> list[Any]:
     """Run ``sql`` (in the driver's own parameter style) on the connection's
     driver cursor and return its rows as the driver gives them.
 
     For the daemon's few hot statements only: SQLAlchemy's execution and
     result layers are about a third of such a call's client CPU, paid on
     every tick. A failure comes out as from ``Connection.execute``.
+    ``prepare`` is psycopg's: False plans the statement afresh for these
+    parameters, where by default it is prepared after its fifth run.
     """
     dbapi_connection = connection.connection.dbapi_connection
     assert dbapi_connection is not None  # a checked-out connection always has one
+    options = {} if prepare is None else {"prepare": prepare}
     with _driver_errors(connection, sql, params):
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(sql, params)
+            cursor.execute(sql, params, **options)
             return list(cursor.fetchall())
         finally:
             cursor.close()

@@ -10,6 +10,7 @@ connection that died in a fault never handed out again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -25,7 +26,7 @@ from sweepd.history import History
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.model import SweepDef
 from sweepd.schedule import Every
-from sweepd.ticks import Ask, Hand, Opened, TickStore
+from sweepd.ticks import PLAN_EACH_TIME_OVER, Ask, Hand, Opened, TickStore
 
 MakeDatabase = Callable[[str], str]
 NAMESPACE = "ticks"
@@ -329,3 +330,40 @@ def test_a_batch_whose_rows_cannot_be_written_claims_nothing(
             text("DROP TRIGGER no_rows" + (" ON sweep_runs" if dialect != "sqlite" else ""))
         )
     assert [o.claim for o in open_all(store, 2)] == [Won(2, "a", tick(2))] * len(SWEEPS)
+
+
+def test_a_large_batch_is_planned_for_its_own_arrays_and_a_small_one_is_prepared(
+    make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    url = make_database("postgresql")
+    migrate.upgrade(url)
+    engine = engines(url)
+    store = ticks_of(engine, "a")
+    many = [replace(SWEEPS[0], name=f"many-{i}") for i in range(PLAN_EACH_TIME_OVER + 1)]
+
+    def prepared_opens() -> int:
+        with engine.connect() as connection:  # the pool's one connection, the store's too
+            return int(
+                connection.execute(
+                    text(
+                        "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%wanted%'"
+                    )
+                ).scalar_one()
+            )
+
+    def expire_all() -> None:
+        with engine.connect() as connection:
+            connection.execute(sweep_leases.update().values(expires_at=T0))
+
+    store.open_upto([Ask(sweep, tick(0), "schedule") for sweep in many], len(many))  # first claims
+    for n in range(1, 11):
+        expire_all()
+        found = store.open_upto([Ask(sweep, tick(n), "schedule") for sweep in many], len(many))
+        assert all(isinstance(o, Opened) and isinstance(o.claim, Won) for o in found)
+    # psycopg prepares a statement at its fifth run; ten runs of the large batch were not.
+    assert prepared_opens() == 0
+    for n in range(11, 21):
+        expire_all()
+        [opened] = store.open_upto([Ask(many[0], tick(n), "schedule")], 1)
+        assert isinstance(opened, Opened) and isinstance(opened.claim, Won)
+    assert prepared_opens() == 1
