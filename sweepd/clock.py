@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Protocol
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
@@ -22,6 +27,10 @@ class Clock(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        """Call ``callback`` on the running loop after ``seconds``, unless cancelled first."""
+        ...
+
 
 class SystemClock:
     def now(self) -> datetime:
@@ -32,3 +41,6 @@ class SystemClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_later(max(0.0, seconds), callback)

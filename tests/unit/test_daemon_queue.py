@@ -6,7 +6,7 @@ tests are about which ticks the daemon hands over, not about the lease
 """
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,9 @@ class FakeClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(0)
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.Handle:
+        return asyncio.get_running_loop().call_soon(callback)
 
 
 class HeldRunner:
