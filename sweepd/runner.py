@@ -463,8 +463,9 @@ class _Heartbeat:
     """A run's renewals, begun by a timer when the first is due.
 
     Most runs end long before their first renewal. A task per run, asleep
-    until then and cancelled at the end, cost about a fifth of a run's CPU
-    in a burst (docs/performance.md); a timer costs a fraction of that.
+    until then and cancelled at the end, cost about a sixth of a run's CPU
+    in a burst at high concurrency (docs/performance.md); a timer costs a
+    fraction of that.
     """
 
     def __init__(
