@@ -181,6 +181,16 @@ def test_array_literals_carry_any_text_and_any_time_exactly(
         assert cast(numbers, "bigint[]") == numbers
 
 
+def migrated(
+    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> tuple[Engine, TickStore]:
+    """A new database at head, an engine on it, and holder a's store on that engine."""
+    url = make_database(dialect)
+    migrate.upgrade(url)
+    engine = engines(url)
+    return engine, ticks_of(engine, "a")
+
+
 def test_a_stopped_server_fails_opens_and_closes_loudly_and_the_pool_recovers(
     make_database: MakeDatabase, engines: Callable[[str], Engine]
 ) -> None:
@@ -211,10 +221,7 @@ def test_a_stopped_server_fails_opens_and_closes_loudly_and_the_pool_recovers(
 def test_a_missing_table_fails_the_batched_open_as_a_fault_that_will_not_pass(
     make_database: MakeDatabase, engines: Callable[[str], Engine]
 ) -> None:
-    url = make_database("postgresql")
-    migrate.upgrade(url)
-    engine = engines(url)
-    store = ticks_of(engine, "a")
+    engine, store = migrated("postgresql", make_database, engines)
     close_all(store, open_all(store, 1))
     with engine.connect() as connection:
         connection.execute(text("DROP TABLE sweep_runs"))
@@ -223,14 +230,23 @@ def test_a_missing_table_fails_the_batched_open_as_a_fault_that_will_not_pass(
     assert not raised.value.transient
 
 
-def test_a_batch_explains_each_tick_it_does_not_win_and_leaves_the_rest_undecided(
+def after_one_tick(
     dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
-) -> None:
+) -> tuple[str, TickStore, TickStore]:
+    """A database where holder a ran tick 1 of every sweep: its URL, and the stores
+    of a and b (on one engine of their own)."""
     url = make_database(dialect)
     migrate.upgrade(url)
     engine = engines(url)
     a, b = ticks_of(engine, "a"), ticks_of(engine, "b")
     close_all(a, open_all(a, 1))
+    return url, a, b
+
+
+def test_a_batch_explains_each_tick_it_does_not_win_and_leaves_the_rest_undecided(
+    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    _, a, b = after_one_tick(dialect, make_database, engines)
     held, ran, early = SWEEPS
     [holding] = b.open_upto([Ask(held, tick(2), "schedule")], 1)  # b holds it, still running
     [newer] = b.open_upto([Ask(ran, tick(3), "schedule")], 1)
@@ -271,11 +287,8 @@ def test_a_batch_explains_each_tick_it_does_not_win_and_leaves_the_rest_undecide
 def test_a_batch_marks_the_rows_an_older_holder_left_running_lost(
     dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
 ) -> None:
-    url = make_database(dialect)
-    migrate.upgrade(url)
+    url, a, b = after_one_tick(dialect, make_database, engines)
     engine = engines(url)
-    a, b = ticks_of(engine, "a"), ticks_of(engine, "b")
-    close_all(a, open_all(a, 1))
     crashed = open_all(a, 2)  # a dies here: its rows stay running, its leases run out
     with engine.connect() as connection:
         connection.execute(sweep_leases.update().values(expires_at=T0))
@@ -293,10 +306,8 @@ def test_a_batch_marks_the_rows_an_older_holder_left_running_lost(
 def test_a_batch_whose_rows_cannot_be_written_claims_nothing(
     dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
 ) -> None:
-    url = make_database(dialect)
-    migrate.upgrade(url)
-    store, other = ticks_of(engines(url), "a"), engines(url)
-    close_all(store, open_all(store, 1))
+    url, store, _ = after_one_tick(dialect, make_database, engines)
+    other = engines(url)  # its own pool: no connection of the store's is handed out here
     with other.connect() as connection:
         if dialect == "sqlite":
             connection.execute(
@@ -335,10 +346,7 @@ def test_a_batch_whose_rows_cannot_be_written_claims_nothing(
 def test_a_large_batch_is_planned_for_its_own_arrays_and_a_small_one_is_prepared(
     make_database: MakeDatabase, engines: Callable[[str], Engine]
 ) -> None:
-    url = make_database("postgresql")
-    migrate.upgrade(url)
-    engine = engines(url)
-    store = ticks_of(engine, "a")
+    engine, store = migrated("postgresql", make_database, engines)
     many = [replace(SWEEPS[0], name=f"many-{i}") for i in range(PLAN_EACH_TIME_OVER + 1)]
 
     def prepared_opens() -> int:
