@@ -3,7 +3,9 @@
 Every engine here fails fast: a database that does not answer must fail a
 claim within seconds, loudly, rather than hang the daemon while it looks
 healthy. Lease statements are single statements, so engines run in
-autocommit: one round trip per statement, no BEGIN/COMMIT around it.
+autocommit: one round trip per statement, no BEGIN/COMMIT around it. The
+one transaction spelled out is SQLite's batch of claims and run rows
+(``sqlite_write``), whose statements must land together.
 """
 
 from __future__ import annotations
