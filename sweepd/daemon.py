@@ -38,6 +38,12 @@ from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, ticks
 HISTORY_SWEEP = "sweepd.prune-history"
 # Extra time, past drain_timeout, that cancelled runs get to notice and return.
 CANCEL_GRACE_SECONDS = 2.0
+# The kernel may end a timed wait late by 0.1 % of its length (0.5 % in a
+# niced process): a tick one second away would start 1-5 ms late before the
+# daemon did anything. So a long wait is slept in legs, each 1 % short of the
+# mark, and the last short one, whose own slack is a few microseconds, whole.
+WAKE_EARLY = 0.01
+WAKE_WHOLE_UNDER = 0.05  # seconds
 
 
 @dataclass
@@ -149,21 +155,26 @@ class Daemon:
                 due = heapq.heappop(self._heap)
                 if self._generation.get(due.name) == due.generation:
                     self._fire(due, now)
-            delay = (self._heap[0].fire_at - now).total_seconds() if self._heap else 3600.0
+            # Read the clock again: firing a burst of ticks takes milliseconds,
+            # and a delay counted from before it would wake that much late.
+            delay = (
+                (self._heap[0].fire_at - self.clock.now()).total_seconds() if self._heap else 3600.0
+            )
             # Wake at least every 30 s, so a stepped wall clock is noticed
             # without waiting out a long delay.
-            await self._sleep(min(delay, 30.0))
+            await self._sleep(first_leg(min(delay, 30.0)))
 
     async def _sleep(self, seconds: float) -> None:
         self._wake.clear()
         if self._stopping or self._reload_requested:
             return
-        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        waker = asyncio.ensure_future(self._wake.wait())
-        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (sleeper, waker):
-            task.cancel()
-        await asyncio.gather(sleeper, waker, return_exceptions=True)
+        # A timer set now, not a sleeping task: a task's first step, where its
+        # sleep would begin, waits behind every flight the burst just started.
+        timer = self.clock.call_later(seconds, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            timer.cancel()
 
     # -- schedules ---------------------------------------------------------------------------
 
@@ -398,6 +409,11 @@ class Daemon:
         for attempt in stuck:
             with contextlib.suppress(StoreError):
                 await bounded(store.release, attempt.sweep.name, self.holder, attempt.token)
+
+
+def first_leg(delay: float) -> float:
+    """How long to sleep now, to wake ``delay`` seconds from now and not later."""
+    return delay if delay < WAKE_WHOLE_UNDER else delay * (1 - WAKE_EARLY)
 
 
 def _differs(a: SweepDef, b: SweepDef) -> bool:

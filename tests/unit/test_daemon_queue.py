@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from sweepd.daemon import Daemon, Flight, _Due
+from sweepd.daemon import WAKE_EARLY, WAKE_WHOLE_UNDER, Daemon, Flight, _Due, first_leg
 from sweepd.db.engine import make_engine
 from sweepd.model import Coalesce, Database, Settings, SweepDef
 from sweepd.schedule import Every
@@ -161,3 +161,70 @@ def test_draining_drops_new_ticks_with_a_reason(engine: Engine) -> None:
         assert daemon.stats["skipped.draining"] == 1
 
     run(scenario())
+
+
+class BusyClock(FakeClock):
+    """Time that passes while the loop works: every reading is 2 ms after the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timers: list[datetime] = []  # when each timer asked for would ring
+
+    def now(self) -> datetime:
+        self.current += timedelta(milliseconds=2)
+        return self.current
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.Handle:
+        self.timers.append(self.current + timedelta(seconds=seconds))
+        return asyncio.get_running_loop().call_later(3600, callback)  # never, in the test
+
+
+async def one_sleep(daemon: Daemon, clock: BusyClock) -> datetime:
+    """Let the loop fire what is due and go to sleep; return when its timer rings."""
+    loop = asyncio.create_task(daemon._loop())
+    while not clock.timers:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the flights it started take their first step
+    daemon.stop()
+    await loop
+    return clock.timers[0]
+
+
+def test_the_sleep_after_a_burst_counts_from_after_it(engine: Engine) -> None:
+    async def scenario() -> None:
+        daemon, runner = daemon_for(engine)
+        clock = BusyClock()
+        daemon.clock = clock
+        daemon._push(daemon.flights["slow"].sweep, at(0), 1)
+        rings = await one_sleep(daemon, clock)
+        assert runner.ran == [("slow", at(0))]
+        # Asked for at 4 ms, after the burst: 1 % short of the next tick.
+        expected = at(1) - (at(1) - at(0.004)) * WAKE_EARLY
+        assert abs((rings - expected).total_seconds()) < 1e-6, rings
+        await runner.finish()
+
+    run(scenario())
+
+
+def test_the_last_stretch_before_a_tick_is_slept_whole(engine: Engine) -> None:
+    async def scenario() -> None:
+        daemon, _runner = daemon_for(engine)
+        clock = BusyClock()
+        clock.current = at(0.97)
+        daemon.clock = clock
+        daemon._push(daemon.flights["slow"].sweep, at(1), 1)
+        assert await one_sleep(daemon, clock) == at(1)
+
+    run(scenario())
+
+
+def test_legs_end_before_the_mark_even_when_each_ends_late() -> None:
+    # The kernel may end a wait late by 0.5 % of its length (niced): each leg
+    # still ends before the tick, and a 30 s wait takes a few legs, not many.
+    remaining, legs = 30.0, 0
+    while remaining >= WAKE_WHOLE_UNDER:
+        remaining -= first_leg(remaining) * 1.005
+        legs += 1
+        assert remaining > 0
+    assert first_leg(remaining) == remaining
+    assert legs <= 4
