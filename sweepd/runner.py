@@ -26,7 +26,7 @@ from sweepd.history import History, Status, Trigger, describe_error
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.model import SweepDef
 from sweepd.offload import Batcher, bounded
-from sweepd.slots import Slots
+from sweepd.slots import Peers, Slots
 from sweepd.ticks import Ask, Hand, Opened, Row, Started, TickStore
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
@@ -107,8 +107,12 @@ class Runner:
         self.unfinished: list[Row] = []  # endings not yet written
         self._probing: asyncio.Task[None] | None = None
         self.ticks = TickStore(store, history, holder)
+        self.peers = Peers(clock.monotonic)
         self._slots: Slots[Ask, Opened] = Slots(
-            concurrency, self.ticks.open_upto, holds=lambda opened: isinstance(opened.claim, Won)
+            concurrency,
+            self.ticks.open_upto,
+            holds=lambda opened: isinstance(opened.claim, Won),
+            share=self.peers.share,
         )
         self._closes = Batcher(self.ticks.close_many, gather=CLOSE_GATHER_SECONDS)
 
@@ -134,6 +138,8 @@ class Runner:
         if opened is None:
             return "draining"  # the daemon began draining while this tick waited for a slot
         if isinstance(opened.claim, Lost):
+            if opened.claim.holder is not None and opened.claim.holder != self.holder:
+                self.peers.seen(opened.claim.holder)
             return self._skip(
                 log,
                 opened.claim.reason,

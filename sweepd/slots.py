@@ -10,6 +10,11 @@ order. Those won take the slots; those lost (already run, held, early) are
 answered at once and never took one; the rest wait for the next call, which
 leaves when this one is back and a slot is free. In a backlog it also waits,
 briefly, for the busy slots, so that one call claims for all of them.
+
+A replica that has lost ticks to others lately claims only its share of a
+burst in one call (``Peers``): the first call to reach the database would
+otherwise lock every row of the burst, and that one replica would then start
+all of its runs one after another while the others start none.
 """
 
 from __future__ import annotations
@@ -40,6 +45,30 @@ GATHER_SECONDS = 0.005
 # After a call that decided nothing (every open row was busy at that
 # instant), how long to wait before asking again.
 RETRY_SECONDS = 0.002
+# How long a replica that took a tick from this one counts as a peer.
+PEER_MEMORY_SECONDS = 600.0
+# The fewest ticks a call claims for when it holds back for its peers: a claim
+# of a few more ticks costs next to nothing, one more call a round trip.
+SMALLEST_SHARE = 16
+
+
+class Peers:
+    """The replicas this one lost ticks to lately, and so its share of a burst."""
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self._monotonic = monotonic
+        self._seen: dict[str, float] = {}  # holder: when last seen
+
+    def seen(self, holder: str) -> None:
+        self._seen[holder] = self._monotonic()
+
+    def share(self, waiting: int) -> int:
+        """How many of ``waiting`` ticks one call should claim: all of them alone."""
+        now = self._monotonic()
+        for holder, at in list(self._seen.items()):
+            if now - at > PEER_MEMORY_SECONDS:  # stopped, or a restart's old name
+                del self._seen[holder]
+        return max(SMALLEST_SHARE, -(-waiting // (1 + len(self._seen))))
 
 
 class Slots(Generic[Item, Result]):
@@ -48,6 +77,7 @@ class Slots(Generic[Item, Result]):
     ``claim`` runs on a worker thread and returns, per item in order, a
     result, a ``StoreError`` for an item that failed on its own, or None for
     one not decided yet. ``holds(result)`` says whether a result won a slot.
+    ``share(waiting)``, if given, bounds one call's wins when that many wait.
     """
 
     def __init__(
@@ -55,11 +85,13 @@ class Slots(Generic[Item, Result]):
         size: int,
         claim: Callable[[list[Item], int], list[Result | StoreError | None]],
         holds: Callable[[Result], bool],
+        share: Callable[[int], int] | None = None,
     ) -> None:
         self.size = size
         self.free = size
         self.claim = claim
         self.holds = holds
+        self.share = share
         self.draining = False
         self._waiting: deque[tuple[Item, asyncio.Future[Result | None]]] = deque()
         self._calling: asyncio.Task[None] | None = None
@@ -113,10 +145,13 @@ class Slots(Generic[Item, Result]):
                     await self._gather()
                     if self.draining:
                         break
-                batch = self._next(self.free * LOOKAHEAD)
+                limit = self.free
+                if self.share is not None:
+                    limit = min(limit, self.share(len(self._waiting)))
+                batch = self._next(limit * LOOKAHEAD)
                 if not batch:
                     break
-                limit, self.free = self.free, 0  # reserved while the call is out
+                self.free -= limit  # reserved while the call is out
                 try:
                     results = await bounded(self.claim, [item for item, _ in batch], limit)
                 except StoreError as error:

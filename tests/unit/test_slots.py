@@ -8,7 +8,7 @@ import pytest
 
 from sweepd import slots as slots_module
 from sweepd.errors import StoreError
-from sweepd.slots import LOOKAHEAD, Slots
+from sweepd.slots import LOOKAHEAD, PEER_MEMORY_SECONDS, SMALLEST_SHARE, Peers, Slots
 
 
 class Database:
@@ -267,3 +267,46 @@ def test_draining_ends_a_gather_and_answers_the_backlog(monkeypatch: pytest.Monk
 
     assert asyncio.run(scenario()) == ["won", "won", None, None, None]
     assert len(database.calls) == 1
+
+
+class Ticking:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_replica_alone_claims_a_whole_burst_and_with_peers_its_share() -> None:
+    clock = Ticking()
+    peers = Peers(clock)
+    assert peers.share(200) == 200
+    peers.seen("b")
+    peers.seen("c")
+    peers.seen("b")
+    assert peers.share(200) == 67  # three replicas: a third each, rounded up
+    assert peers.share(20) == SMALLEST_SHARE  # a small burst is not split into tiny calls
+    clock.now = PEER_MEMORY_SECONDS / 2
+    peers.seen("c")
+    clock.now = PEER_MEMORY_SECONDS + 1
+    assert peers.share(200) == 100  # b is forgotten, c was seen since
+    clock.now = 2 * PEER_MEMORY_SECONDS
+    assert peers.share(200) == 200
+
+
+def test_a_call_claims_no_more_than_its_share_and_the_next_goes_on_at_once() -> None:
+    database = Database()
+    peers = Peers(Ticking())
+    peers.seen("b")
+    peers.seen("c")
+
+    async def scenario() -> list[str | None]:
+        slots = Slots(200, database.claim, holds=lambda r: r == "won", share=peers.share)
+        return await asyncio.gather(*(slots.take(f"s{i}") for i in range(90)))
+
+    assert asyncio.run(scenario()) == ["won"] * 90
+    limits = [limit for _, limit in database.calls]
+    assert limits[0] == 30  # a third of the 90 waiting, with 170 slots still free
+    assert sum(limits) >= 90 and all(limit <= 30 for limit in limits)
