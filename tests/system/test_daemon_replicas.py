@@ -115,13 +115,23 @@ def stopped_stats(events: list[list[Event]]) -> Counter[str]:
 # -- 1. many replicas, many sweeps: each tick exactly once -------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("count", "top"),
+    [
+        (10, {}),
+        # As many slots as sweeps: once the replicas know of each other, each claims a
+        # third of a burst per call and asks again for the rest (sweepd.slots.Peers).
+        (48, {"concurrency": 48}),
+    ],
+    ids=["default-concurrency", "burst-shared"],
+)
 def test_three_replicas_run_every_tick_exactly_once(
-    cluster: Cluster, database_url: str, tmp_path: Path
+    cluster: Cluster, database_url: str, tmp_path: Path, count: int, top: dict[str, Any]
 ) -> None:
     out = tmp_path / "runs.jsonl"
-    names = {f"s{i}" for i in range(10)}
+    names = {f"s{i}" for i in range(count)}
     config = write_config(
-        tmp_path / "sweepd.yaml", database_url, [sweep(n, out) for n in sorted(names)]
+        tmp_path / "sweepd.yaml", database_url, [sweep(n, out) for n in sorted(names)], **top
     )
     cluster.start(config, 3, timeout=TIMEOUT)
     time.sleep(20.0)
