@@ -3,6 +3,7 @@ tick waiting for a slot holds nothing (§5)."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -21,10 +22,12 @@ class Database:
         self.taken = taken
         self.busy_calls = busy_calls
         self.calls: list[tuple[list[str], int]] = []
+        self.times: list[float] = []  # time.monotonic() at each call
         self.fail = False
 
     def claim(self, items: list[str], limit: int) -> list[str | StoreError | None]:
         self.calls.append((list(items), limit))
+        self.times.append(time.monotonic())
         if self.fail:
             raise StoreError("the database is gone", transient=True)
         out: list[str | StoreError | None] = []
@@ -296,17 +299,51 @@ def test_a_replica_alone_claims_a_whole_burst_and_with_peers_its_share() -> None
     assert peers.share(200) == 200
 
 
-def test_a_call_claims_no_more_than_its_share_and_the_next_goes_on_at_once() -> None:
-    database = Database()
+def with_peers(*holders: str) -> Peers:
     peers = Peers(Ticking())
-    peers.seen("b")
-    peers.seen("c")
+    for holder in holders:
+        peers.seen(holder)
+    return peers
+
+
+def test_a_call_claims_no_more_than_its_share_and_its_runs_start_before_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(slots_module, "SHARE_PAUSE_SECONDS", 0.1)
+    database = Database()
+    peers = with_peers("b", "c")
+    started: list[float] = []  # when each won tick's flight went on
+
+    async def flight(slots: Slots[str, str], item: str) -> str | None:
+        result = await slots.take(item)
+        started.append(time.monotonic())
+        return result
 
     async def scenario() -> list[str | None]:
         slots = Slots(200, database.claim, holds=lambda r: r == "won", share=peers.share)
-        return await asyncio.gather(*(slots.take(f"s{i}") for i in range(90)))
+        return await asyncio.gather(*(flight(slots, f"s{i}") for i in range(90)))
 
     assert asyncio.run(scenario()) == ["won"] * 90
     limits = [limit for _, limit in database.calls]
     assert limits[0] == 30  # a third of the 90 waiting, with 170 slots still free
     assert sum(limits) >= 90 and all(limit <= 30 for limit in limits)
+    # The first call's 30 flights went on, then the second call waited the pause.
+    first_won, second_asked = max(started[:30]), database.times[1]
+    assert 0.1 <= second_asked - first_won < 0.5
+    assert all(at < second_asked for at in started[:30])
+
+
+def test_a_call_that_did_not_hold_back_is_followed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four slots and two peers: a share (at least SMALLEST_SHARE) is no bound.
+    monkeypatch.setattr(slots_module, "SHARE_PAUSE_SECONDS", 10.0)
+    database = Database(taken=frozenset(f"s{i}" for i in range(4 * LOOKAHEAD - 2)))
+    peers = with_peers("b", "c")
+
+    async def scenario() -> list[str | None]:
+        slots = Slots(4, database.claim, holds=lambda r: r == "won", share=peers.share)
+        flights = (slots.take(f"s{i}") for i in range(4 * LOOKAHEAD + 2))
+        return await asyncio.wait_for(asyncio.gather(*flights), 1)
+
+    results = asyncio.run(scenario())
+    assert results.count("won") == 4
+    assert [limit for _, limit in database.calls] == [4, 2]  # won 2 of 4, then asked again
