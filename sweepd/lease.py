@@ -26,15 +26,13 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar, overload
 
 from sqlalchemy import (
     BigInteger,
-    Boolean,
     Engine,
-    String,
     and_,
     bindparam,
     func,
@@ -46,16 +44,17 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.sql import Executable
 
 from sweepd.db.engine import (
     DriverStatement,
     db_now,
     db_now_plus,
+    driver_rows,
     driver_times,
     is_duplicate_key,
     make_engine,
     pg_array,
+    prepare_for,
     store_fault,
 )
 from sweepd.db.schema import UtcDateTime, sweep_leases
@@ -172,19 +171,22 @@ CLAIM_UPTO_POSTGRESQL_JOINS = """
         AND l.name = ANY(CAST(:p_names AS varchar[]))
         AND l.name = w.name
 """
-CLAIM_UPTO_POSTGRESQL_COLUMNS: dict[str, Any] = {
-    "name": String(),
-    "token": BigInteger(),
-    "holder": String(),
-    "expires_at": UtcDateTime(),
-    "tick": UtcDateTime(),
-    "early": Boolean(),
-    "open": Boolean(),
-}
 _CLAIM_UPTO_POSTGRESQL = text(
     f"WITH {CLAIM_UPTO_POSTGRESQL_CTES}"
     f"SELECT {CLAIM_UPTO_POSTGRESQL_OUTCOME}{CLAIM_UPTO_POSTGRESQL_JOINS}"
-).columns(**CLAIM_UPTO_POSTGRESQL_COLUMNS)
+)
+
+
+class _ClaimedRow(NamedTuple):
+    """A row of ``_CLAIM_UPTO_POSTGRESQL`` as the driver returns it, in column order."""
+
+    name: str
+    token: int | None
+    holder: str | None
+    expires_at: datetime | None
+    tick: datetime | None
+    early: bool
+    open: bool
 
 
 # A batch release locks its rows in name order, so that no two statements
@@ -218,7 +220,7 @@ RELEASE_MANY_POSTGRESQL_UPDATE = """
 """
 _RELEASE_MANY_POSTGRESQL = text(
     f"WITH {RELEASE_MANY_POSTGRESQL_CTES}{RELEASE_MANY_POSTGRESQL_UPDATE}"
-).columns(name=String())
+)
 
 
 @dataclass(frozen=True)
@@ -339,6 +341,11 @@ class LeaseStore:
         self.clock_tolerance = clock_tolerance
         self._mysql = engine.dialect.name == "mysql"
         self._sql = _Statements(engine.dialect.name)
+        if engine.dialect.name == "postgresql":
+            # The batch statements run on the driver's cursor, which alone can
+            # choose, per run, whether psycopg prepares them (``prepare_for``).
+            self._claim_upto_sql = str(_CLAIM_UPTO_POSTGRESQL.compile(dialect=engine.dialect))
+            self._release_many_sql = str(_RELEASE_MANY_POSTGRESQL.compile(dialect=engine.dialect))
         if engine.dialect.name == "sqlite":
             self._claim_in = DriverStatement(self._sql.claim_tick, engine.dialect)
             self._explain_in = DriverStatement(self._sql.explain, engine.dialect)
@@ -442,11 +449,13 @@ class LeaseStore:
         if not wants:
             return [], set()
         params = self.claim_upto_params(holder, wants, limit)
+        prepare = prepare_for(len(wants))
         try:
             with self.engine.connect() as connection:
-                rows = {r.name: r for r in connection.execute(_CLAIM_UPTO_POSTGRESQL, params)}
+                found = driver_rows(connection, self._claim_upto_sql, params, prepare=prepare)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", wants[0].name, self.engine, error) from error
+        rows = {row.name: row for row in (_ClaimedRow(*values) for values in found)}
         results = [claim_outcome(rows[want.name], holder, want.tick) for want in wants]
         unseen = {want.name for want in wants if rows[want.name].holder is None}
         return results, unseen
@@ -553,16 +562,18 @@ class LeaseStore:
         if len(held) < 2 or dialect == "mysql":
             return [self.release(name, holder, token) for name, token in held]
         params: dict[str, Any] = {"p_namespace": self.namespace, "p_holder": holder}
-        if dialect == "postgresql":
-            statement: Executable = _RELEASE_MANY_POSTGRESQL
-            params["p_names"] = pg_array(name for name, _ in held)
-            params["p_tokens"] = pg_array(token for _, token in held)
-        else:
-            statement = self._sql.release_many_sqlite
-            params["p_held"] = held
         try:
             with self.engine.connect() as connection:
-                freed = set(connection.execute(statement, params).scalars())
+                if dialect == "postgresql":
+                    params["p_names"] = pg_array(name for name, _ in held)
+                    params["p_tokens"] = pg_array(token for _, token in held)
+                    rows = driver_rows(
+                        connection, self._release_many_sql, params, prepare=prepare_for(len(held))
+                    )
+                    freed = {name for (name,) in rows}
+                else:
+                    params["p_held"] = held
+                    freed = set(connection.execute(self._sql.release_many_sqlite, params).scalars())
         except SQLAlchemyError:
             return [False] * len(held)
         return [name in freed for name, _ in held]
@@ -597,7 +608,13 @@ def claim_outcome(row: Any, holder: str, tick: datetime | None) -> Claim | None:
         return Won(token=int(row.token), holder=holder, tick=tick)
     if row.holder is None or (row.open and not row.early):
         return None
-    return _reason(row, tick)
+    lost = _reason(row, tick)
+    # The driver gives timestamptz in the session's time zone; sweepd speaks UTC.
+    return Lost(lost.reason, lost.holder, _utc(lost.expires_at), _utc(lost.tick))
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return None if value is None else value.astimezone(UTC)
 
 
 class _Seen(NamedTuple):

@@ -15,17 +15,23 @@ lease and history calls one after another, in one thread hop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import BigInteger, text
+from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import driver_rows, pg_array, retry_deadlocks, sqlite_write, store_fault
+from sweepd.db.engine import (
+    driver_rows,
+    pg_array,
+    prepare_for,
+    retry_deadlocks,
+    sqlite_write,
+    store_fault,
+)
 from sweepd.errors import StoreError
 from sweepd.history import LOST_ERROR, History, Start, Status, Trigger
 from sweepd.lease import (
-    CLAIM_UPTO_POSTGRESQL_COLUMNS,
     CLAIM_UPTO_POSTGRESQL_CTES,
     CLAIM_UPTO_POSTGRESQL_JOINS,
     CLAIM_UPTO_POSTGRESQL_OUTCOME,
@@ -33,7 +39,6 @@ from sweepd.lease import (
     RELEASE_MANY_POSTGRESQL_UPDATE,
     Claim,
     LeaseStore,
-    Lost,
     Want,
     Won,
     claim_outcome,
@@ -100,7 +105,7 @@ _OPEN_POSTGRESQL = text(
     {CLAIM_UPTO_POSTGRESQL_JOINS}
     LEFT JOIN started ON started.name = w.name
     """
-).columns(**CLAIM_UPTO_POSTGRESQL_COLUMNS, run_id=BigInteger(), lost_runs=BigInteger())
+)
 
 # Finish the rows, then release the leases, as one transaction.
 _CLOSE_POSTGRESQL = text(
@@ -123,14 +128,6 @@ _CLOSE_POSTGRESQL = text(
 )
 
 
-# A batch of more ticks than this is planned for its own arrays on every run.
-# psycopg prepares a statement after its fifth run, and PostgreSQL then keeps
-# a generic plan, which cannot see how long the arrays are. For 16 ticks that
-# plan is the faster (0.9 ms against 1.4 for planning each time); for 200
-# ticks, 67 of them won, it took 15 ms where a plan for the arrays took 6.
-PLAN_EACH_TIME_OVER = 32
-
-
 class _OpenedRow(NamedTuple):
     """A row of ``_OPEN_POSTGRESQL`` as the driver returns it, in column order."""
 
@@ -143,15 +140,6 @@ class _OpenedRow(NamedTuple):
     open: bool
     run_id: int | None
     lost_runs: int
-
-
-def _utc(value: datetime | None) -> datetime | None:
-    # The driver gives timestamptz in the session's time zone; sweepd speaks UTC.
-    return None if value is None else value.astimezone(UTC)
-
-
-def _prepare(size: int) -> bool | None:
-    return False if size > PLAN_EACH_TIME_OVER else None
 
 
 class TickStore:
@@ -210,7 +198,9 @@ class TickStore:
         params["p_lost_error"] = LOST_ERROR
         try:
             with self.engine.connect() as connection:
-                found = driver_rows(connection, self._open_sql, params, prepare=_prepare(len(asks)))
+                found = driver_rows(
+                    connection, self._open_sql, params, prepare=prepare_for(len(asks))
+                )
         except SQLAlchemyError as error:
             raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
         rows = {row.name: row for row in (_OpenedRow(*values) for values in found)}
@@ -221,9 +211,6 @@ class TickStore:
             if claim is None:
                 results.append(None)
                 continue
-            if isinstance(claim, Lost):
-                # Only a lost claim carries the row's times out (into its log line).
-                claim = Lost(claim.reason, claim.holder, _utc(claim.expires_at), _utc(claim.tick))
             opened = Opened(claim)
             if isinstance(claim, Won):
                 assert row.run_id is not None  # a won claim's row is written in its statement
@@ -331,7 +318,7 @@ class TickStore:
         def close() -> set[str]:
             with self.engine.connect() as connection:
                 rows = driver_rows(
-                    connection, self._close_sql, params, prepare=_prepare(len(hands))
+                    connection, self._close_sql, params, prepare=prepare_for(len(hands))
                 )
                 return {name for (name,) in rows}
 

@@ -2,15 +2,19 @@
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, text
+from sqlalchemy.engine import make_url
 
 from sweepd.db import migrate
-from sweepd.db.engine import make_engine
-from sweepd.lease import Lease, LeaseStore, LeaseUnavailable, Lost, Won, leased
+from sweepd.db.engine import PLAN_EACH_TIME_OVER, make_engine
+from sweepd.lease import Lease, LeaseStore, LeaseUnavailable, Lost, Want, Won, leased
 
 TTL = timedelta(seconds=30)
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -131,25 +135,44 @@ def test_a_winning_claim_is_one_statement_once_the_row_exists(
         event.remove(engine, "before_cursor_execute", count)
 
 
+@contextmanager
+def statements_sent(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The statements sent while inside: on PostgreSQL, as the driver's cursors
+    see them, since the batch statements bypass SQLAlchemy's execution layer."""
+    statements: list[str] = []
+    if engine.dialect.name == "postgresql":
+        execute = psycopg.Cursor.execute
+
+        def counted(cursor: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+            statements.append(str(query))
+            return execute(cursor, query, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(psycopg.Cursor, "execute", counted)
+            yield statements
+        return
+
+    def count(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+
+
 def test_a_batch_release_frees_only_what_the_holder_still_has_under_its_token(
-    engine: Engine, store: LeaseStore
+    engine: Engine, store: LeaseStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mine = _won(store.claim("mine", "a", TTL, tick(1)))
     stale = _won(store.claim("stale", "a", TTL, tick(1)))  # then taken over: an old token
     store.release("stale", "a", stale.token)
     taken = _won(store.claim("stale", "b", TTL, tick(2)))
     theirs = _won(store.claim("theirs", "b", TTL, tick(1)))
-    statements: list[str] = []
-
-    def count(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
-        statements.append(statement)
-
     held = [("mine", mine.token), ("stale", stale.token), ("theirs", theirs.token), ("none", 1)]
-    event.listen(engine, "before_cursor_execute", count)
-    try:
+    with statements_sent(engine, monkeypatch) as statements:
         assert store.release_many("a", held) == [True, False, False, False]
-    finally:
-        event.remove(engine, "before_cursor_execute", count)
     # One statement where the dialect can say which rows it changed; one each on MySQL.
     assert len(statements) == (len(held) if engine.dialect.name == "mysql" else 1), statements
     # Only "a"'s lease was freed: the others still hold theirs.
@@ -240,3 +263,67 @@ def test_a_tick_still_in_the_future_is_refused_as_clock_skew(store: LeaseStore) 
     assert again.reason == "clock_skew"
     # Within the tolerance (one second early) is ordinary NTP disagreement: allowed.
     assert isinstance(store.claim("purge", "a", TTL, now + timedelta(milliseconds=500)), Won)
+
+
+@pytest.fixture
+def pg_store(make_database: Callable[[str], str]) -> Iterator[LeaseStore]:
+    url = make_database("postgresql")
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    yield LeaseStore(engine, "test")
+    engine.dispose()
+
+
+def test_a_large_batch_claim_or_release_is_planned_for_its_arrays_a_small_one_prepared(
+    pg_store: LeaseStore,
+) -> None:
+    # A generic plan cannot see how long the arrays are: for a burst it is the slow one.
+    many = [f"many-{i}" for i in range(PLAN_EACH_TIME_OVER + 1)]
+    for name in many:  # first claims: the rows exist from here on
+        pg_store.release(name, "a", _won(pg_store.claim(name, "a", TTL, tick(0))).token)
+
+    def prepared() -> set[str]:
+        with pg_store.engine.connect() as connection:  # the pool's one connection, the store's too
+            found = connection.execute(text("SELECT statement FROM pg_prepared_statements"))
+            return {
+                kind
+                for (statement,) in found
+                for kind, marker in (("claim", "wanted"), ("release", "held AS"))
+                if marker in statement
+            }
+
+    def claim_and_release(names: list[str], n: int) -> None:
+        claims = pg_store.claim_upto("a", [Want(name, TTL, tick(n)) for name in names], len(names))
+        held = [(name, _won(claim).token) for name, claim in zip(names, claims, strict=True)]
+        assert pg_store.release_many("a", held) == [True] * len(names)
+
+    for n in range(1, 11):
+        claim_and_release(many, n)
+    assert prepared() == set()  # psycopg prepares at the fifth run: ten runs were not
+    for n in range(11, 21):
+        claim_and_release(many[:2], n)
+    assert prepared() == {"claim", "release"}
+
+
+def test_a_batch_claims_loss_is_explained_in_utc_whatever_the_sessions_time_zone(
+    make_database: Callable[[str], str],
+) -> None:
+    url = make_database("postgresql")
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        with engine.connect() as admin:
+            database = make_url(url).database
+            admin.execute(text(f"ALTER DATABASE \"{database}\" SET timezone TO 'America/St_Johns'"))
+        engine.dispose()  # new sessions, in that time zone
+        store = LeaseStore(engine, "test")
+        _won(store.claim("purge", "a", TTL, tick(1)))
+        [lost] = store.claim_upto("b", [Want("purge", TTL, tick(1))], 1)
+        assert isinstance(lost, Lost)
+        assert (lost.reason, lost.holder, lost.tick) == ("already_run", "a", tick(1))
+        assert lost.tick is not None and lost.tick.tzinfo is UTC
+        assert lost.expires_at is not None and lost.expires_at.tzinfo is UTC
+        with engine.connect() as connection:
+            assert connection.execute(text("SHOW timezone")).scalar() == "America/St_Johns"
+    finally:
+        engine.dispose()

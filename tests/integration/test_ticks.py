@@ -19,14 +19,14 @@ from sqlalchemy.engine import make_url
 from tcp_proxy import proxy_for
 
 from sweepd.db import migrate
-from sweepd.db.engine import db_now, make_engine, pg_array
+from sweepd.db.engine import PLAN_EACH_TIME_OVER, db_now, make_engine, pg_array
 from sweepd.db.schema import sweep_leases, sweep_runs
 from sweepd.errors import StoreError
 from sweepd.history import History
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.model import SweepDef
 from sweepd.schedule import Every
-from sweepd.ticks import PLAN_EACH_TIME_OVER, Ask, Hand, Opened, TickStore
+from sweepd.ticks import Ask, Hand, Opened, TickStore
 
 MakeDatabase = Callable[[str], str]
 NAMESPACE = "ticks"
