@@ -1,6 +1,6 @@
 """How fast the lease store claims and releases, and what each step sends, as shipped.
 
-    python benchmarks/lease.py [--dialect all|sqlite|postgresql|mariadb] [--seconds 5]
+    python benchmarks/lease.py [--dialect all|sqlite|postgresql|mariadb] [--seconds 5] [--batches-only]
 
 Each dialect gets a fresh database (a SQLite file in a temporary folder, or
 ``sweepd_bench_<random>`` on the server), brought to head by
@@ -34,7 +34,7 @@ from sqlalchemy import Engine, create_engine, event, text
 
 from sweepd.db import migrate
 from sweepd.db.engine import PING_IDLE_SECONDS, make_engine
-from sweepd.lease import LeaseStore, Lost, StoreError, Won, make_holder
+from sweepd.lease import LeaseStore, Lost, StoreError, Want, Won, make_holder
 
 DIALECTS = ("sqlite", "postgresql", "mariadb")
 SERVERS = {
@@ -222,6 +222,50 @@ def count_steps(url: str, gap: float, reps: int) -> dict[str, Counter[str]]:
     return totals
 
 
+# -- batches: what the daemon claims and releases a burst with -------------------------------
+
+BATCH_SIZES = (16, 200)
+BATCH_RUNS = 30
+STEADY_FROM = 6  # psycopg prepares a statement at its fifth run: from the sixth, its choice shows
+
+
+def time_batches(url: str) -> list[tuple[int, list[int], list[int]]]:
+    """Per size: ns of each ``claim_upto`` of that many leases with a third of them
+    to win (one replica of three), and of the ``release_many`` of those won."""
+    engine = make_engine(url)
+    store = LeaseStore(engine, NAMESPACE)
+    holder = make_holder()
+    timed = []
+    try:
+        for size in BATCH_SIZES:
+            names = [f"batch-{size}-{i}" for i in range(size)]
+            for name in names:  # the first claims: each batch then finds its rows
+                first = store.claim(name, holder, TTL, tick_of(0))
+                assert isinstance(first, Won), first
+                store.release(name, holder, first.token)
+            claims, releases = [], []
+            for k in range(1, BATCH_RUNS + 1):
+                wants = [Want(name, TTL, tick_of(k)) for name in names]
+                t0 = time.perf_counter_ns()
+                found = store.claim_upto(holder, wants, -(-size // 3))
+                t1 = time.perf_counter_ns()
+                held = [
+                    (w.name, r.token)
+                    for w, r in zip(wants, found, strict=True)
+                    if isinstance(r, Won)
+                ]
+                if len(held) != -(-size // 3) or not all(store.release_many(holder, held)):
+                    raise RuntimeError(f"batch of {size}, run {k}: {found!r}")
+                t2 = time.perf_counter_ns()
+                if k >= STEADY_FROM:
+                    claims.append(t1 - t0)
+                    releases.append(t2 - t1)
+            timed.append((size, claims, releases))
+    finally:
+        engine.dispose()
+    return timed
+
+
 # -- a database per dialect, and the machine -------------------------------------------------
 
 
@@ -277,6 +321,7 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 # -- main ------------------------------------------------------------------------------------
 
 OWN = "dialect|claimers|pairs/s|pair p50|pair p99|claim p50|claim p99|release p50|release p99|client CPU/pair|lost|store errors"
+BATCHES = "dialect|leases asked|won|claim_upto p50|claim_upto p90|release_many p50|release_many p90"
 CONTENDED = "dialect|claimers|attempts/s|won|lost lease_held|lost already_run|lost other|ticks won twice|attempt p50|attempt p99|store errors"
 AIM_STEPS = ("claim, won (row exists)", "release")
 
@@ -284,6 +329,7 @@ AIM_STEPS = ("claim, won (row exists)", "release")
 @dataclass
 class Report:
     own: list[list[str]] = field(default_factory=list)
+    batches: list[list[str]] = field(default_factory=list)
     contended: list[list[str]] = field(default_factory=list)
     # (step, when) -> dialect -> mean SQL statements, pings, rollbacks
     steps: dict[tuple[str, str], dict[str, tuple[float, ...]]] = field(default_factory=dict)
@@ -292,10 +338,20 @@ class Report:
     pg_p50: float | None = None
 
 
-def bench(pool: ProcessPoolExecutor, dialect: str, seconds: float, report: Report) -> None:
+def bench(
+    pool: ProcessPoolExecutor, dialect: str, seconds: float, report: Report, batches_only: bool
+) -> None:
     with bench_database(dialect) as (url, version):
         report.versions.append(version)
         print(f"{dialect}: {report.versions[-1]} ({load()})", file=sys.stderr, flush=True)
+        for size, claims, releases in time_batches(url):
+            report.batches.append(
+                [dialect, str(size), str(-(-size // 3))]
+                + [pct(v, q) for v in (claims, releases) for q in (0.5, 0.9)]
+            )
+            print(report.batches[-1], file=sys.stderr, flush=True)
+        if batches_only:
+            return
         for when, gap, reps in STEP_RUNS:
             for label, total in count_steps(url, gap, reps).items():
                 means = tuple(total[key] / reps for key in ("SQL", "pings", "rollbacks"))
@@ -351,6 +407,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--dialect", choices=["all", *DIALECTS], default="all")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
+    parser.add_argument("--batches-only", action="store_true", help="only claim_upto/release_many")
     args = parser.parse_args(argv)
     dialects = list(DIALECTS) if args.dialect == "all" else [args.dialect]
     began, load_at_start, report = time.perf_counter(), load(), Report()
@@ -358,10 +415,17 @@ def main(argv: list[str]) -> int:
         # Every worker process started, and its imports done, before anything is timed.
         list(pool.map(time.sleep, [0.5] * max(CLAIMERS), timeout=120))
         for dialect in dialects:
-            bench(pool, dialect, args.seconds, report)
+            bench(pool, dialect, args.seconds, report, args.batches_only)
     print(f"`{' '.join(['python', 'benchmarks/lease.py', *argv])}`", end="\n\n")
     print(f"{load_at_start} at start, {load()} at end; took {time.perf_counter() - began:.0f} s\n")
     print("\n".join(f"- {fact}" for fact in [*machine(), *report.versions]), end="\n\n")
+    print(
+        f"Batches, one claimer: claim_upto of N leases, a third to win, then release_many of"
+        f" those won (runs {STEADY_FROM}-{BATCH_RUNS} of {BATCH_RUNS}; ms)\n"
+    )
+    print(markdown(BATCHES.split("|"), report.batches), end="\n\n")
+    if args.batches_only:
+        return 0
     print(f"Claim+release, each claimer on a lease name of its own ({args.seconds:g} s; ms)\n")
     print(markdown(OWN.split("|"), report.own), end="\n\n")
     print(f"Contended: all claimers on one name and the same next tick ({args.seconds:g} s; ms)\n")
