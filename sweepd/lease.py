@@ -177,8 +177,8 @@ _CLAIM_UPTO_POSTGRESQL = text(
 )
 
 
-class _ClaimedRow(NamedTuple):
-    """A row of ``_CLAIM_UPTO_POSTGRESQL`` as the driver returns it, in column order."""
+class ClaimedRow(NamedTuple):
+    """The columns of ``CLAIM_UPTO_POSTGRESQL_OUTCOME`` as the driver returns them, in order."""
 
     name: str
     token: int | None
@@ -455,7 +455,7 @@ class LeaseStore:
                 found = driver_rows(connection, self._claim_upto_sql, params, prepare=prepare)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", wants[0].name, self.engine, error) from error
-        rows = {row.name: row for row in (_ClaimedRow(*values) for values in found)}
+        rows = {row.name: row for row in (ClaimedRow(*values) for values in found)}
         results = [claim_outcome(rows[want.name], holder, want.tick) for want in wants]
         unseen = {want.name for want in wants if rows[want.name].holder is None}
         return results, unseen

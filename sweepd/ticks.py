@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
@@ -38,6 +38,7 @@ from sweepd.lease import (
     RELEASE_MANY_POSTGRESQL_CTES,
     RELEASE_MANY_POSTGRESQL_UPDATE,
     Claim,
+    ClaimedRow,
     LeaseStore,
     Want,
     Won,
@@ -128,20 +129,6 @@ _CLOSE_POSTGRESQL = text(
 )
 
 
-class _OpenedRow(NamedTuple):
-    """A row of ``_OPEN_POSTGRESQL`` as the driver returns it, in column order."""
-
-    name: str
-    token: int | None
-    holder: str | None
-    expires_at: datetime | None
-    tick: datetime | None
-    early: bool
-    open: bool
-    run_id: int | None
-    lost_runs: int
-
-
 class TickStore:
     def __init__(self, store: LeaseStore, history: History, holder: str) -> None:
         self.store = store
@@ -203,21 +190,25 @@ class TickStore:
                 )
         except SQLAlchemyError as error:
             raise store_fault("lease claim", asks[0].sweep.name, self.engine, error) from error
-        rows = {row.name: row for row in (_OpenedRow(*values) for values in found)}
+        # Each row: the claim's columns, then the two that the open adds.
+        rows: dict[str, tuple[ClaimedRow, int | None, int]] = {}
+        for *claimed, run_id, lost_runs in found:
+            row = ClaimedRow(*claimed)
+            rows[row.name] = (row, run_id, lost_runs)
         results: list[Opened | None] = []
         for ask in asks:
-            row = rows[ask.sweep.name]
+            row, run_id, lost_runs = rows[ask.sweep.name]
             claim = claim_outcome(row, self.holder, ask.tick)
             if claim is None:
                 results.append(None)
                 continue
             opened = Opened(claim)
             if isinstance(claim, Won):
-                assert row.run_id is not None  # a won claim's row is written in its statement
-                opened.started = int(row.run_id)
-                opened.lost_runs = int(row.lost_runs)
+                assert run_id is not None  # a won claim's row is written in its statement
+                opened.started = int(run_id)
+                opened.lost_runs = int(lost_runs)
             results.append(opened)
-        return results, {ask.sweep.name for ask in asks if rows[ask.sweep.name].holder is None}
+        return results, {name for name, (row, _, _) in rows.items() if row.holder is None}
 
     def _open_sqlite(self, asks: list[Ask], limit: int) -> tuple[list[Opened | None], set[str]]:
         """The claims, stale checks and rows in one write transaction, on the driver's cursor."""
