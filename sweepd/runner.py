@@ -506,9 +506,11 @@ class _Threads:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0  # threads waiting for a job, less the jobs queued for them
+        self._busy = 0  # jobs handed over whose code has not returned
 
     def run(self, job: Callable[[], None]) -> None:
         with self._lock:
+            self._busy += 1
             spawn = self._idle == 0
             if not spawn:
                 self._idle -= 1
@@ -516,14 +518,25 @@ class _Threads:
         if spawn:
             threading.Thread(target=self._serve, name="sweepd-sweep", daemon=True).start()
 
+    def busy(self) -> int:
+        with self._lock:
+            return self._busy
+
     def _serve(self) -> None:
         while True:
             self._jobs.get()()
             with self._lock:
+                self._busy -= 1
                 self._idle += 1
 
 
 _THREADS = _Threads()
+
+
+def sweep_threads_busy() -> int:
+    """Sync sweeps whose code is still running: after a drain, the ones that
+    ignored ``ctx.cancelled`` and were left behind."""
+    return _THREADS.busy()
 
 
 def _start_thread(

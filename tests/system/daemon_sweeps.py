@@ -70,6 +70,18 @@ async def record_async(ctx: SweepContext, out: str, duration: float = 0.0) -> No
     _write(out, event="end", at=time.time(), **_fields(ctx))
 
 
+def restless(ctx: SweepContext, out: str, duration: float = 5.0) -> None:
+    """Ignores ctx.cancelled like ``stubborn``, but keeps running Python code
+    (short sleeps, an encode, a write) the whole time, so it is mid-bytecode
+    whenever the process exits."""
+    _write(out, event="start", at=time.time(), **_fields(ctx))
+    deadline = time.monotonic() + duration
+    while time.monotonic() < deadline:
+        time.sleep(0.0005)
+        json.dumps(_fields(ctx))
+    _write(out, event="end", at=time.time(), **_fields(ctx))
+
+
 def stubborn(ctx: SweepContext, out: str, duration: float = 5.0) -> None:
     """Ignores ctx.cancelled and returns only after ``duration``: the worst sync sweep."""
     _write(out, event="start", at=time.time(), **_fields(ctx))
