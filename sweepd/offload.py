@@ -13,10 +13,12 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from sweepd.clock import Clock, SystemClock
 from sweepd.errors import StoreError
+from sweepd.tasks import spawn
 
 T = TypeVar("T")
 Item = TypeVar("Item")
@@ -40,8 +42,22 @@ async def bounded(call: Callable[..., T], *args: Any, timeout: float = DB_CALL_S
     timer = loop.call_later(timeout, _give_up, future, call, timeout)
     try:
         return await future
+    except StoreError:
+        raise
+    except Exception as error:
+        raise unexpected(getattr(call, "__name__", "database call"), error) from error
     finally:
         timer.cancel()
+
+
+def unexpected(operation: str, error: Exception) -> StoreError:
+    """A store call that raised something other than ``StoreError``: a bug, or a
+    driver error no layer below named. Callers handle it as they handle any
+    failed call (loudly, and the daemon goes on); its type and message stay in
+    the text, the exception itself in ``__cause__``."""
+    fault = StoreError(f"{operation} raised {type(error).__name__}: {error}")
+    fault.__cause__ = error
+    return fault
 
 
 def _give_up(future: asyncio.Future[Any], call: Callable[..., Any], timeout: float) -> None:
@@ -136,12 +152,15 @@ class Batcher(Generic[Item, Result]):
     """
 
     def __init__(
-        self, work: Callable[[list[Item]], list[Result | StoreError]], gather: float = 0.0
+        self,
+        work: Callable[[list[Item]], Sequence[Result | StoreError]],
+        gather: float = 0.0,
+        clock: Clock | None = None,
     ) -> None:
         self.work = work
         self.gather = gather
+        self.clock = clock or SystemClock()
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
-        self._sending: set[asyncio.Task[None]] = set()
 
     async def submit(self, item: Item) -> Result:
         loop = asyncio.get_running_loop()
@@ -149,22 +168,26 @@ class Batcher(Generic[Item, Result]):
         self._pending.append((item, future))
         if len(self._pending) == 1:
             if self.gather > 0:
-                loop.call_later(self.gather, self._flush)
+                self.clock.call_later(self.gather, self._flush)
             else:
                 loop.call_soon(self._flush)
         return await future
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
-        task = asyncio.ensure_future(self._send(batch))
-        self._sending.add(task)  # held, so the task is not collected mid-flight
-        task.add_done_callback(self._sending.discard)
+        spawn(self._send(batch), name="batch")
 
     async def _send(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+        """Answer every item of ``batch``, whatever the work raises or returns."""
         try:
-            results = await bounded(self.work, [item for item, _ in batch])
-        except StoreError as error:
-            results = [error] * len(batch)
+            results: Sequence[Result | StoreError] = await bounded(
+                self.work, [item for item, _ in batch]
+            )
+            if len(results) != len(batch):
+                raise RuntimeError(f"the batch answered {len(results)} of {len(batch)} items")
+        except Exception as error:
+            fault = error if isinstance(error, StoreError) else unexpected("batch", error)
+            results = [fault] * len(batch)
         for (_, future), result in zip(batch, results, strict=True):
             if future.done():  # its flight was cancelled while waiting
                 continue

@@ -21,12 +21,14 @@ its share, it lets those runs start before it asks about the rest.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from sweepd.clock import Clock, SystemClock
 from sweepd.errors import StoreError
-from sweepd.offload import bounded
+from sweepd.offload import bounded, unexpected
+from sweepd.tasks import spawn
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -44,8 +46,13 @@ LOOKAHEAD = 4
 # tick or two, and the backlog drains no sooner (docs/performance.md).
 GATHER_SECONDS = 0.005
 # After a call that decided nothing (every open row was busy at that
-# instant), how long to wait before asking again.
+# instant), how long to wait before asking again. Another replica's claim
+# holds its rows for a millisecond or two, so the first wait is short; each
+# call in a row that finds them busy again waits twice as long, up to the
+# cap, since rows locked that long are held by something else (a release on a
+# slow server, an operator's open transaction) that retrying will not hurry.
 RETRY_SECONDS = 0.002
+RETRY_CAP_SECONDS = 0.25
 # How long a replica that took a tick from this one counts as a peer.
 PEER_MEMORY_SECONDS = 600.0
 # The fewest ticks a call claims for when it holds back for its peers: a claim
@@ -84,6 +91,9 @@ class Slots(Generic[Item, Result]):
     result, a ``StoreError`` for an item that failed on its own, or None for
     one not decided yet. ``holds(result)`` says whether a result won a slot.
     ``share(waiting)``, if given, bounds one call's wins when that many wait.
+    ``orphaned(item, result)`` gets a result that holds a slot but came back for a
+    tick whose flight has gone (cancelled while the call was out): it must
+    give back what the result holds, since nobody else will.
     """
 
     def __init__(
@@ -92,12 +102,21 @@ class Slots(Generic[Item, Result]):
         claim: Callable[[list[Item], int], list[Result | StoreError | None]],
         holds: Callable[[Result], bool],
         share: Callable[[int], int] | None = None,
+        *,
+        orphaned: Callable[[Item, Result], None] | None = None,
+        clock: Clock | None = None,
+        stats: Counter[str] | None = None,
+        log: Any = None,
     ) -> None:
         self.size = size
         self.free = size
         self.claim = claim
         self.holds = holds
         self.share = share
+        self.orphaned = orphaned
+        self.clock = clock or SystemClock()
+        self.stats = stats if stats is not None else Counter()
+        self.log = log
         self.draining = False
         self._waiting: deque[tuple[Item, asyncio.Future[Result | None]]] = deque()
         self._calling: asyncio.Task[None] | None = None
@@ -137,7 +156,7 @@ class Slots(Generic[Item, Result]):
 
     def _wake(self) -> None:
         if self._calling is None and self._waiting and self.free > 0 and not self.draining:
-            self._calling = asyncio.ensure_future(self._call())
+            self._calling = spawn(self._call(), name="slots-claim")
 
     async def _call(self) -> None:
         """Calls one at a time, each for every slot free when it leaves.
@@ -145,6 +164,7 @@ class Slots(Generic[Item, Result]):
         Overlapping calls (one per slot as it frees) were measured: the same
         lateness, for twice the statements (docs/performance.md).
         """
+        busy = 0  # calls in a row that found every row busy
         try:
             while self.free > 0 and not self.draining:
                 if self.free < self.size and len(self._waiting) > self.free:
@@ -160,32 +180,72 @@ class Slots(Generic[Item, Result]):
                 batch = self._next(limit * LOOKAHEAD)
                 if not batch:
                     break
-                self.free -= limit  # reserved while the call is out
-                try:
-                    results = await bounded(self.claim, [item for item, _ in batch], limit)
-                except StoreError as error:
-                    results = [error] * len(batch)
-                won = self._answer(batch, results)
-                self.free += limit - won
-                # Ticks that came while the call was out wait behind those still undecided.
-                undecided = [w for w, r in zip(batch, results, strict=True) if r is None]
-                self._waiting.extendleft(reversed(undecided))
+                won, undecided = await self._claim_batch(batch, limit)
                 if self.draining:
                     # Out in the call when drain() answered the queue: answer them now.
                     self._dismiss()
-                if len(undecided) == len(batch):
-                    # Every open row was busy at that instant: ask again shortly.
-                    await asyncio.sleep(RETRY_SECONDS)
-                elif held_back and won and self._waiting:
-                    await asyncio.sleep(SHARE_PAUSE_SECONDS)
+                if undecided == len(batch):
+                    # Every open row was busy at that instant: ask again, later each time.
+                    busy += 1
+                    await self.clock.sleep(self._busy_wait(busy))
+                    continue
+                busy = 0
+                if held_back and won and self._waiting:
+                    await self.clock.sleep(SHARE_PAUSE_SECONDS)
         finally:
             self._calling = None
+
+    async def _claim_batch(
+        self, batch: list[tuple[Item, asyncio.Future[Result | None]]], limit: int
+    ) -> tuple[int, int]:
+        """One call for ``batch``: every decided tick answered, the undecided put
+        back in front, the slots not won returned; (won, undecided).
+
+        Whatever the call or the answering raises, every tick of the batch is
+        answered and the reserved slots come back: a flight left waiting on a
+        future nobody settles is a sweep that stopped without a word.
+        """
+        self.free -= limit  # reserved while the call is out
+        won = 0
+        try:
+            try:
+                results = await bounded(self.claim, [item for item, _ in batch], limit)
+            except StoreError as error:
+                results = [error] * len(batch)
+            if len(results) != len(batch):
+                raise RuntimeError(f"the claim answered {len(results)} of {len(batch)} ticks")
+            won = self._answer(batch, results)
+        except Exception as error:
+            fault = error if isinstance(error, StoreError) else unexpected("lease claim", error)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(fault)
+            return won, 0
+        finally:
+            self.free += limit - won
+        undecided = [w for w, r in zip(batch, results, strict=True) if r is None]
+        # Ticks that came while the call was out wait behind those still undecided.
+        self._waiting.extendleft(reversed(undecided))
+        return won, len(undecided)
+
+    def _busy_wait(self, busy: int) -> float:
+        """The wait before the ``busy``-th call in a row that found every row busy."""
+        self.stats["claims.busy_retries"] += 1
+        wait = RETRY_SECONDS * 2.0 ** (busy - 1)
+        if wait >= RETRY_CAP_SECONDS > wait / 2 and self.log is not None:
+            # Loud once per spell: rows locked this long keep ticks from running.
+            self.log.warning(
+                "lease.rows_busy",
+                calls=busy,
+                note="every lease row asked for is locked by another transaction; retrying",
+            )
+        return min(wait, RETRY_CAP_SECONDS)
 
     async def _gather(self) -> None:
         """Wait up to ``GATHER_SECONDS`` for every busy slot to come back."""
         loop = asyncio.get_running_loop()
         self._all_back = loop.create_future()
-        timer = loop.call_later(GATHER_SECONDS, self._stop_gathering)
+        timer = self.clock.call_later(GATHER_SECONDS, self._stop_gathering)
         try:
             await self._all_back
         finally:
@@ -212,7 +272,7 @@ class Slots(Generic[Item, Result]):
     ) -> int:
         """Settle each decided future; return how many slots the results hold."""
         held = 0
-        for (_, future), result in zip(batch, results, strict=True):
+        for (item, future), result in zip(batch, results, strict=True):
             if result is None:
                 continue
             if isinstance(result, StoreError):
@@ -221,7 +281,10 @@ class Slots(Generic[Item, Result]):
                 continue
             if self.holds(result):
                 if future.done():
-                    continue  # its flight is gone; the lease frees itself at its expiry
+                    # Its flight is gone: what it won goes back now, not at its expiry.
+                    if self.orphaned is not None:
+                        self.orphaned(item, result)
+                    continue
                 held += 1
             if not future.done():
                 future.set_result(result)

@@ -3,11 +3,15 @@
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
+from manual_clock import ManualClock, settle
+from structlog.testing import capture_logs
 
 from sweepd.errors import StoreError
 from sweepd.offload import Batcher, bounded
+from sweepd.tasks import spawn
 
 
 class Recorder:
@@ -126,14 +130,72 @@ def test_a_stuck_call_fails_at_its_bound_and_does_not_keep_the_loop_from_ending(
 
 def test_with_gather_items_of_later_turns_join_the_first_ones_call() -> None:
     work = Recorder()
+    clock = ManualClock()
 
     async def scenario() -> list[int]:
-        batcher = Batcher(work, gather=0.05)
+        batcher = Batcher(work, gather=0.05, clock=clock)
         first = asyncio.ensure_future(batcher.submit(1))
-        for _ in range(3):  # turns of the loop, well within the gather
-            await asyncio.sleep(0)
+        await settle()  # turns of the loop, the gather not over
         second = asyncio.ensure_future(batcher.submit(2))
-        return list(await asyncio.gather(first, second))
+        await settle()
+        assert work.batches == []
+        assert clock.waiting() == [0.05]  # one timer, set by the first item
+        await clock.advance(0.05)
+        return list(await asyncio.wait_for(asyncio.gather(first, second), 2))
 
     assert asyncio.run(scenario()) == [2, 4]
     assert work.batches == [[1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("work", "message"),
+    [
+        (lambda items: 1 / 0, "<lambda> raised ZeroDivisionError: division by zero"),
+        (lambda items: [], "batch raised RuntimeError: the batch answered 0 of 2 items"),
+    ],
+    ids=["raises", "answers-short"],
+)
+def test_a_batch_whose_work_has_a_bug_still_answers_every_item(
+    work: Callable[[list[int]], list[int | StoreError]], message: str
+) -> None:
+    async def scenario() -> list[int | BaseException]:
+        batcher = Batcher(work)
+        submits = (batcher.submit(i) for i in range(2))
+        return await asyncio.wait_for(asyncio.gather(*submits, return_exceptions=True), 2)
+
+    results = asyncio.run(scenario())
+    assert [str(r) for r in results] == [message] * 2
+    assert all(isinstance(r, StoreError) for r in results)
+
+
+def test_a_call_that_raises_a_bug_comes_back_as_a_store_error_with_its_cause() -> None:
+    def broken() -> None:
+        raise KeyError("name")
+
+    async def scenario() -> BaseException | None:
+        try:
+            await bounded(broken)
+        except StoreError as error:
+            return error
+        return None
+
+    error = asyncio.run(scenario())
+    assert str(error) == "broken raised KeyError: 'name'"
+    assert isinstance(error, StoreError) and isinstance(error.__cause__, KeyError)
+
+
+def test_a_spawned_task_that_fails_is_logged_with_its_error() -> None:
+    async def doomed() -> None:
+        raise ValueError("nobody awaits this")
+
+    async def scenario() -> None:
+        task = spawn(doomed(), name="doomed")
+        await asyncio.gather(task, return_exceptions=True)
+        await settle()
+
+    with capture_logs() as logs:
+        asyncio.run(scenario())
+    (crashed,) = [e for e in logs if e["event"] == "daemon.task_crashed"]
+    assert crashed["task"] == "doomed"
+    assert crashed["error"] == "ValueError: nobody awaits this"
+    assert crashed["log_level"] == "error"

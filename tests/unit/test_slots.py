@@ -4,12 +4,24 @@ tick waiting for a slot holds nothing (§5)."""
 import asyncio
 import threading
 import time
+from collections import Counter
+from typing import Any
 
 import pytest
+from manual_clock import ManualClock, settle
 
-from sweepd import slots as slots_module
 from sweepd.errors import StoreError
-from sweepd.slots import LOOKAHEAD, PEER_MEMORY_SECONDS, SMALLEST_SHARE, Peers, Slots
+from sweepd.slots import (
+    GATHER_SECONDS,
+    LOOKAHEAD,
+    PEER_MEMORY_SECONDS,
+    RETRY_CAP_SECONDS,
+    RETRY_SECONDS,
+    SHARE_PAUSE_SECONDS,
+    SMALLEST_SHARE,
+    Peers,
+    Slots,
+)
 
 
 class Database:
@@ -24,12 +36,15 @@ class Database:
         self.calls: list[tuple[list[str], int]] = []
         self.times: list[tuple[float, float]] = []  # time.monotonic() at each call and return
         self.fail = False
+        self.bug: Exception | None = None  # raised as is, as a bug in the claim would be
 
     def claim(self, items: list[str], limit: int) -> list[str | StoreError | None]:
         self.calls.append((list(items), limit))
         called = time.monotonic()
         if self.fail:
             raise StoreError("the database is gone", transient=True)
+        if self.bug is not None:
+            raise self.bug
         out: list[str | StoreError | None] = []
         won = 0
         for item in items:
@@ -44,8 +59,8 @@ class Database:
         return out
 
 
-def slots_for(database: Database, size: int) -> Slots[str, str]:
-    return Slots(size, database.claim, holds=lambda result: result == "won")
+def slots_for(database: Database, size: int, clock: ManualClock | None = None) -> Slots[str, str]:
+    return Slots(size, database.claim, holds=lambda result: result == "won", clock=clock)
 
 
 def test_no_more_than_size_are_won_until_slots_come_back() -> None:
@@ -217,38 +232,32 @@ def test_in_a_backlog_a_call_waits_for_the_busy_slots() -> None:
     asyncio.run(scenario())
 
 
-def test_a_gathering_call_leaves_with_the_free_slots_when_the_rest_stay_busy(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(slots_module, "GATHER_SECONDS", 0.1)
+def test_a_gathering_call_leaves_with_the_free_slots_when_the_rest_stay_busy() -> None:
     database = Database()
+    clock = ManualClock()
 
-    async def scenario() -> float:
-        slots = slots_for(database, 2)
+    async def scenario() -> None:
+        slots = slots_for(database, 2, clock)
         tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(5)]
-        await asyncio.sleep(0.01)
-        loop = asyncio.get_running_loop()
-        freed = loop.time()
+        await asyncio.wait_for(asyncio.gather(*tasks[:2]), 2)  # both slots held
         slots.give_back()  # the other slot stays busy
-        await asyncio.sleep(0.05)
-        assert len(database.calls) == 1, "left before the gather was over"
-        await asyncio.wait_for(tasks[2], 1)
-        waited = loop.time() - freed
+        await settle()
+        assert clock.waiting() == [GATHER_SECONDS]  # the call waits for the busy one
+        assert len(database.calls) == 1
+        await clock.advance(GATHER_SECONDS)
+        assert await asyncio.wait_for(tasks[2], 2) == "won"
         for task in tasks:
             task.cancel()
-        return waited
 
-    waited = asyncio.run(scenario())
+    asyncio.run(scenario())
     assert [limit for _, limit in database.calls] == [2, 1]
-    assert 0.1 <= waited < 0.5
 
 
-def test_without_a_backlog_a_tick_is_claimed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(slots_module, "GATHER_SECONDS", 10.0)
-    database = Database()
+def test_without_a_backlog_a_tick_is_claimed_at_once() -> None:
+    database = Database()  # the manual clock never moves: any wait would hang
 
     async def scenario() -> str | None:
-        slots = slots_for(database, 2)
+        slots = slots_for(database, 2, ManualClock())
         await slots.take("busy")  # one slot held, one free
         return await asyncio.wait_for(slots.take("s0"), 1)
 
@@ -256,16 +265,17 @@ def test_without_a_backlog_a_tick_is_claimed_at_once(monkeypatch: pytest.MonkeyP
     assert [limit for _, limit in database.calls] == [2, 1]
 
 
-def test_draining_ends_a_gather_and_answers_the_backlog(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(slots_module, "GATHER_SECONDS", 10.0)
+def test_draining_ends_a_gather_and_answers_the_backlog() -> None:
     database = Database()
+    clock = ManualClock()  # never moves: only the drain can end the gather
 
     async def scenario() -> list[str | None]:
-        slots = slots_for(database, 2)
+        slots = slots_for(database, 2, clock)
         tasks = [asyncio.ensure_future(slots.take(f"s{i}")) for i in range(5)]
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*tasks[:2]), 2)
         slots.give_back()  # a backlog, one slot busy: the next call gathers
-        await asyncio.sleep(0.01)
+        await settle()
+        assert clock.waiting() == [GATHER_SECONDS]
         slots.drain()
         return list(await asyncio.wait_for(asyncio.gather(*tasks), 1))
 
@@ -307,44 +317,158 @@ def with_peers(*holders: str) -> Peers:
     return peers
 
 
-def test_a_call_claims_no_more_than_its_share_and_its_runs_start_before_the_next(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(slots_module, "SHARE_PAUSE_SECONDS", 0.1)
+def test_a_call_claims_no_more_than_its_share_and_its_runs_start_before_the_next() -> None:
     database = Database()
     peers = with_peers("b", "c")
-    started: list[float] = []  # when each won tick's flight went on
+    clock = ManualClock()
+    started: list[str] = []  # the won ticks whose flight went on
 
     async def flight(slots: Slots[str, str], item: str) -> str | None:
         result = await slots.take(item)
-        started.append(time.monotonic())
+        started.append(item)
         return result
 
     async def scenario() -> list[str | None]:
-        slots = Slots(200, database.claim, holds=lambda r: r == "won", share=peers.share)
-        return await asyncio.gather(*(flight(slots, f"s{i}") for i in range(90)))
+        slots = Slots(
+            200, database.claim, holds=lambda r: r == "won", share=peers.share, clock=clock
+        )
+        flights = asyncio.gather(*(flight(slots, f"s{i}") for i in range(90)))
+        assert await calls_made(database, 1) == [30]  # a third of the 90, 170 slots still free
+        await wait_until(lambda: clock.waiting() == [SHARE_PAUSE_SECONDS])
+        # The first call's 30 flights went on before the second call was made.
+        assert len(database.calls) == 1
+        assert sorted(started) == sorted(f"s{i}" for i in range(30))
+        while not flights.done():
+            await clock.advance(SHARE_PAUSE_SECONDS)
+            await asyncio.sleep(0.001)
+        return await flights
 
-    assert asyncio.run(scenario()) == ["won"] * 90
+    assert asyncio.run(asyncio.wait_for(scenario(), 5)) == ["won"] * 90
     limits = [limit for _, limit in database.calls]
-    assert limits[0] == 30  # a third of the 90 waiting, with 170 slots still free
     assert sum(limits) >= 90 and all(limit <= 30 for limit in limits)
-    # The first call's 30 flights went on, and the second call left a pause after it was back.
-    (_, first_back), (second_asked, _) = database.times[:2]
-    assert max(started[:30]) < second_asked
-    assert 0.1 <= second_asked - first_back < 0.5
 
 
-def test_a_call_that_did_not_hold_back_is_followed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_call_that_did_not_hold_back_is_followed_at_once() -> None:
     # Four slots and two peers: a share (at least SMALLEST_SHARE) is no bound.
-    monkeypatch.setattr(slots_module, "SHARE_PAUSE_SECONDS", 10.0)
     database = Database(taken=frozenset(f"s{i}" for i in range(4 * LOOKAHEAD - 2)))
     peers = with_peers("b", "c")
 
     async def scenario() -> list[str | None]:
-        slots = Slots(4, database.claim, holds=lambda r: r == "won", share=peers.share)
+        slots = Slots(
+            4, database.claim, holds=lambda r: r == "won", share=peers.share, clock=ManualClock()
+        )
         flights = (slots.take(f"s{i}") for i in range(4 * LOOKAHEAD + 2))
-        return await asyncio.wait_for(asyncio.gather(*flights), 1)
+        return await asyncio.wait_for(asyncio.gather(*flights), 2)  # the clock never moves
 
     results = asyncio.run(scenario())
     assert results.count("won") == 4
     assert [limit for _, limit in database.calls] == [4, 2]  # won 2 of 4, then asked again
+
+
+async def wait_until(condition: Any, within: float = 2.0) -> None:
+    """A bounded wait for what a worker thread and the loop do next."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize(
+    "bug",
+    [ValueError("boom"), RuntimeError("boom")],
+    ids=["raises", "raises-runtime"],
+)
+def test_a_claim_that_raises_a_bug_answers_every_tick_and_frees_the_slots(
+    bug: Exception,
+) -> None:
+    database = Database()
+    database.bug = bug
+
+    async def scenario() -> tuple[list[str | BaseException | None], int, str | None]:
+        slots = slots_for(database, 2)
+        asks = (slots.take(f"s{i}") for i in range(3))
+        results = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 2)
+        free = slots.free
+        database.bug = None
+        return list(results), free, await asyncio.wait_for(slots.take("later"), 2)
+
+    results, free, later = asyncio.run(scenario())
+    assert all(isinstance(result, StoreError) for result in results), results
+    assert all(f"{type(bug).__name__}: boom" in str(result) for result in results)
+    assert free == 2
+    assert later == "won"  # the replica goes on claiming
+
+
+def test_a_claim_that_answers_the_wrong_number_of_ticks_fails_them_all() -> None:
+    async def scenario() -> list[str | BaseException | None]:
+        slots = Slots(2, lambda items, limit: ["won"], holds=lambda r: r == "won")
+        asks = (slots.take(f"s{i}") for i in range(2))
+        return list(await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 2))
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(r, StoreError) and "answered 1 of 2" in str(r) for r in results)
+
+
+def test_a_tick_won_after_its_flight_has_gone_is_handed_to_orphaned() -> None:
+    database = Database()
+    gate = threading.Event()
+    orphans: list[tuple[str, str]] = []
+
+    def slow_claim(items: list[str], limit: int) -> list[str | StoreError | None]:
+        gate.wait(5)
+        return database.claim(items, limit)
+
+    async def scenario() -> tuple[int, str | None]:
+        slots = Slots(
+            2,
+            slow_claim,
+            holds=lambda r: r == "won",
+            orphaned=lambda item, result: orphans.append((item, result)),
+        )
+        gone = asyncio.ensure_future(slots.take("gone"))
+        stays = asyncio.ensure_future(slots.take("stays"))
+        await settle()  # both out in one call, the gate shut
+        gone.cancel()
+        gate.set()
+        result = await asyncio.wait_for(stays, 2)
+        await wait_until(lambda: orphans)
+        return slots.free, result
+
+    free, result = asyncio.run(scenario())
+    assert result == "won"
+    assert orphans == [("gone", "won")]
+    assert free == 1  # the orphan's slot came back; the other is held by "stays"
+
+
+class Logged:
+    def __init__(self) -> None:
+        self.warnings: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.warnings.append((event, fields))
+
+
+def test_a_call_that_finds_every_row_busy_backs_off_to_a_cap_and_counts_it() -> None:
+    database = Database(busy_calls=12)
+    clock = ManualClock()
+    stats: Counter[str] = Counter()
+    log = Logged()
+    waits: list[float] = []
+
+    async def scenario() -> str | None:
+        slots = Slots(1, database.claim, holds=lambda r: r == "won", clock=clock, stats=stats)
+        slots.log = log
+        taken = asyncio.ensure_future(slots.take("s0"))
+        for call in range(1, 13):
+            await wait_until(lambda call=call: len(database.calls) == call and clock.waiting())
+            (wait,) = clock.waiting()
+            waits.append(wait)
+            await clock.advance(wait)
+        return await asyncio.wait_for(taken, 2)
+
+    assert asyncio.run(scenario()) == "won"
+    doubling = [RETRY_SECONDS * 2**i for i in range(12)]
+    assert waits == pytest.approx([min(RETRY_CAP_SECONDS, wait) for wait in doubling])
+    assert waits[-1] == RETRY_CAP_SECONDS
+    assert stats["claims.busy_retries"] == 12
+    assert [event for event, _ in log.warnings] == ["lease.rows_busy"]  # once per spell
