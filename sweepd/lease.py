@@ -422,9 +422,16 @@ class LeaseStore:
         the scheduled ticks are one statement (a failure fails them all and
         claims none) and a want is undecided when its row was open but beyond
         the limit or busy at that instant. Elsewhere the wants are claimed one
-        at a time until ``limit`` are won, and the rest are undecided.
+        at a time until ``limit`` are won, and the rest are undecided. A want
+        for a name asked for earlier in the batch is undecided too.
         """
         results: list[Claim | StoreError | None] = [None] * len(wants)
+        unique = first_of_each([want.name for want in wants])
+        if len(unique) < len(wants):
+            claims = self.claim_upto(holder, [wants[i] for i in unique], limit)
+            for i, claim in zip(unique, claims, strict=True):
+                results[i] = claim
+            return results
         single = list(range(len(wants)))  # the wants left to claim one at a time
         if self.engine.dialect.name == "postgresql":
             batch = [i for i, want in enumerate(wants) if want.tick is not None]
@@ -553,18 +560,31 @@ class LeaseStore:
             return False
 
     def release_many(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
-        """``release`` for several (name, token) leases of ``holder``; never raises.
+        """``release`` for several (name, token) leases of ``holder``; never raises."""
+        try:
+            return self.release_each(holder, held)
+        except StoreError:
+            return [False] * len(held)
+
+    def release_each(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
+        """Per (name, token) lease of ``holder``, whether it was freed; a fault
+        raises ``StoreError``, saying why, for a caller that retries.
 
         One statement on PostgreSQL (rows locked in name order) and SQLite;
         one release each on MySQL/MariaDB, whose UPDATE returns no rows.
         """
         dialect = self.engine.dialect.name
-        if len(held) < 2 or dialect == "mysql":
-            return [self.release(name, holder, token) for name, token in held]
         params: dict[str, Any] = {"p_namespace": self.namespace, "p_holder": holder}
+        name = held[0][0] if held else None  # the one a fault is reported for
+        freed: set[str] = set()
         try:
             with self.engine.connect() as connection:
-                if dialect == "postgresql":
+                if len(held) < 2 or dialect == "mysql":
+                    for name, token in held:
+                        mine = self._params(name, p_holder=holder, p_token=token)
+                        if connection.execute(self._sql.release, mine).rowcount == 1:
+                            freed.add(name)
+                elif dialect == "postgresql":
                     params["p_names"] = pg_array(name for name, _ in held)
                     params["p_tokens"] = pg_array(token for _, token in held)
                     rows = driver_rows(
@@ -574,8 +594,8 @@ class LeaseStore:
                 else:
                     params["p_held"] = held
                     freed = set(connection.execute(self._sql.release_many_sqlite, params).scalars())
-        except SQLAlchemyError:
-            return [False] * len(held)
+        except SQLAlchemyError as error:
+            raise store_fault("lease release", name, self.engine, error) from error
         return [name in freed for name, _ in held]
 
     def read(self, name: str) -> LeaseRow | None:
@@ -595,6 +615,23 @@ class LeaseStore:
             raise store_fault("clock read", None, self.engine, error) from error
         assert isinstance(value, datetime)
         return value
+
+
+def first_of_each(names: list[str]) -> list[int]:
+    """The positions of each name's first appearance, in order.
+
+    A batch that asks twice for one lease matches both asks to its one row,
+    and both could come back won under one token: the sweep would overlap
+    itself. So a batch claims only a name's first ask; the others stay
+    undecided, to be asked again once the first is settled.
+    """
+    seen: set[str] = set()
+    first = []
+    for i, name in enumerate(names):
+        if name not in seen:
+            seen.add(name)
+            first.append(i)
+    return first
 
 
 def claim_outcome(row: Any, holder: str, tick: datetime | None) -> Claim | None:

@@ -1,8 +1,11 @@
-"""One tick of one sweep: claim, record, call, heartbeat, retry, finish, release.
+"""One tick of one sweep: take a slot (which claims it), record, call,
+heartbeat, retry, finish, release.
 
 Every outcome is accounted for: a claim that loses is a counted, logged
 skip; a claim that fails is a loud error; a run that starts writes its row
 before the sweep's code is called and finishes it after, whatever happened.
+A row or a release that could not be written is written again as soon as
+the database answers.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 import inspect
 import queue
 import threading
+import traceback
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -21,13 +25,15 @@ from typing import Any, Literal
 
 from sweepd.clock import Clock
 from sweepd.context import SweepContext
+from sweepd.durations import format_duration
 from sweepd.errors import StoreError
 from sweepd.history import History, Status, Trigger, describe_error
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.model import SweepDef
 from sweepd.offload import Batcher, bounded
 from sweepd.slots import Peers, Slots
-from sweepd.ticks import Ask, Hand, Opened, Row, Started, TickStore
+from sweepd.tasks import spawn
+from sweepd.ticks import Ask, Closed, Hand, Opened, Row, Started, TickStore
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
 
@@ -37,6 +43,12 @@ CancelReason = Literal["timeout", "lost", "cancelled"]
 # end waits for it (its run.finished line, its sweep's next tick): its slot is
 # back already, and its lease, renewed at most ttl/3 ago, has time to spare.
 CLOSE_GATHER_SECONDS = 0.02
+# A failed run's traceback in its run.finished line: the frames nearest the
+# error, which are the sweep's own, and no more text than a screen holds.
+TRACEBACK_FRAMES = 30
+TRACEBACK_CHARS = 8000
+# What the row of a tick says when it was won for a flight that had gone.
+ORPHANED_ERROR = "its flight had stopped when the claim came back; the lease was given back"
 
 
 def iso(instant: datetime | None) -> str | None:
@@ -53,6 +65,7 @@ class Ended:
     message: str | None
     duration: float
     log: Any
+    error: BaseException | None = None  # the sweep's own exception, for its traceback
 
     def row(self) -> Row:
         return self.run_id, self.name, self.status, self.message
@@ -105,7 +118,9 @@ class Runner:
         self.inflight: dict[str, Attempt] = {}
         self.draining = False
         self.unfinished: list[Row] = []  # endings not yet written
+        self.unreleased: dict[str, int] = {}  # leases whose release failed: name -> token
         self._probing: asyncio.Task[None] | None = None
+        self._settling: asyncio.Task[None] | None = None
         self.ticks = TickStore(store, history, holder)
         self.peers = Peers(clock.monotonic)
         self._slots: Slots[Ask, Opened] = Slots(
@@ -113,8 +128,12 @@ class Runner:
             self.ticks.open_upto,
             holds=lambda opened: isinstance(opened.claim, Won),
             share=self.peers.share,
+            orphaned=self._orphaned,
+            clock=clock,
+            stats=stats,
+            log=log,
         )
-        self._closes = Batcher(self.ticks.close_many, gather=CLOSE_GATHER_SECONDS)
+        self._closes = Batcher(self.ticks.close_many, gather=CLOSE_GATHER_SECONDS, clock=clock)
 
     # -- one tick ----------------------------------------------------------------------
 
@@ -125,7 +144,7 @@ class Runner:
         log = self.log.bind(sweep=sweep.name, tick=iso(tick), holder=self.holder)
         if not self.store_healthy:
             return self._skip(log, "store_unavailable")
-        if self.unfinished:
+        if self.unfinished or self.unreleased:
             await self.settle()
         try:
             opened = await self._slots.take(Ask(sweep, tick, trigger))
@@ -229,11 +248,15 @@ class Runner:
         finally:
             slot.give_back()
             await heartbeat.stop()
-            released = await self._close(sweep, token, ended)
-            if released:
+            closed = await self._close(
+                sweep.name, token, None if ended is None else ended.row(), log
+            )
+            if ended is not None:
+                self._finished(ended, closed.row_error)
+            if closed.released:
                 log.debug("lease.released")
-            elif not lease_lost.is_set():
-                log.warning("lease.release_failed", note="the lease frees itself at its expiry")
+            elif closed.release_error is None and not lease_lost.is_set():
+                log.warning("lease.release_failed", error="the lease was no longer this holder's")
         return status
 
     # -- the database side of a run: retries' rows, and the closing hop ---------------------
@@ -256,16 +279,37 @@ class Runner:
         else:
             self._finished(ended, None)
 
-    async def _close(self, sweep: SweepDef, token: int, ended: Ended | None) -> bool:
-        """Finish the last attempt's row and release the lease; True if released."""
+    async def _close(self, name: str, token: int, ending: Row | None, log: Any) -> Closed:
+        """Finish a run's last row and release its lease; a release that failed is
+        kept to be retried as soon as the database answers."""
         try:
-            ending = None if ended is None else ended.row()
-            failed, released = await self._closes.submit(Hand(sweep.name, token, ending))
+            closed = await self._closes.submit(Hand(name, token, ending))
         except StoreError as error:
-            failed, released = str(error), False
-        if ended is not None:
-            self._finished(ended, failed)
-        return released
+            closed = Closed(None if ending is None else str(error), False, str(error))
+        if closed.release_error is not None:
+            # Until it is freed, this sweep's next tick is blocked on every
+            # replica; waiting out the ttl would cost ticks once the database is back.
+            self.unreleased[name] = token
+            log.warning(
+                "lease.release_failed",
+                error=closed.release_error,
+                note="retried as soon as the database answers; at worst it frees itself at its expiry",
+            )
+            self._recover()
+        return closed
+
+    def _orphaned(self, ask: Ask, opened: Opened) -> None:
+        """A tick won for a flight that had gone (cancelled while its claim was
+        out): its row says so and its lease goes back now, not at its expiry."""
+        assert isinstance(opened.claim, Won)
+        token, name = opened.claim.token, ask.sweep.name
+        log = self.log.bind(sweep=name, tick=iso(ask.tick), holder=self.holder, fencing_token=token)
+        log.warning("tick.orphaned", note="won after its flight had stopped; given back")
+        self.stats["ticks.orphaned"] += 1
+        ending: Row | None = None
+        if isinstance(opened.started, int):
+            ending = (opened.started, name, "cancelled", ORPHANED_ERROR)
+        spawn(self._close(name, token, ending, log), name=f"give-back-{name}")
 
     def _finished(self, ended: Ended, failed: str | None) -> None:
         """Log the attempt's end once its row says so (or could not be made to)."""
@@ -274,11 +318,14 @@ class Runner:
                 "run.record_failed", operation="finish", status=ended.status, error=failed
             )
             self.unfinished.append(ended.row())
-        fields = {"status": ended.status, "duration": ended.duration}
+            self._recover()
+        fields: dict[str, Any] = {"status": ended.status, "duration": ended.duration}
         if ended.status == "success":
             ended.log.info("run.finished", **fields)
-        else:
-            ended.log.error("run.finished", **fields, error=ended.message)
+            return
+        if ended.error is not None:
+            fields["exception"] = format_traceback(ended.error)
+        ended.log.error("run.finished", **fields, error=ended.message)
 
     def _skip(self, log: Any, reason: str, **fields: Any) -> str:
         self.stats[f"skipped.{reason}"] += 1
@@ -326,14 +373,16 @@ class Runner:
         began = self.clock.monotonic()
         (log.info if ctx.attempt > 1 else log.debug)("run.started", trigger=trigger)
         try:
-            status, message = await self._call(attempt)
+            status, message, error = await self._call(attempt)
         finally:
             self.inflight.pop(sweep.name, None)
         self.stats[f"runs.{status}"] += 1
         duration = round(self.clock.monotonic() - began, 6)
-        return Ended(run_id, sweep.name, status, message, duration, log)
+        return Ended(run_id, sweep.name, status, message, duration, log, error)
 
-    async def _call(self, attempt: Attempt) -> tuple[Status, str | None]:
+    async def _call(self, attempt: Attempt) -> tuple[Status, str | None, BaseException | None]:
+        """Run the sweep's code once: its status, the row's error text, and the
+        sweep's own exception when it raised one."""
         sweep, ctx = attempt.sweep, attempt.ctx
         call = (
             functools.partial(sweep.func, ctx, **sweep.args)
@@ -357,26 +406,42 @@ class Runner:
                     attempt.task.cancel()
                 else:
                     # Said now, not when the thread finally returns: a sync sweep
-                    # that ignores ctx.cancelled holds its lease until it does.
+                    # that ignores ctx.cancelled holds its lease until it does,
+                    # and its row says how it ended meanwhile (§5: timeout).
                     ctx.logger.warning(
                         "run.timed_out", timeout=timeout, note="waiting for the thread to return"
                     )
+                    await self._record_timeout(attempt)
         # A sync run keeps its lease and its slot until its thread returns:
         # letting the next tick start beside it would be the overlap we forbid.
         result = await asyncio.gather(attempt.task, return_exceptions=True)
         outcome = result[0]
         if attempt.reason is not None:
-            return (
-                attempt.reason,
-                None if attempt.reason != "timeout" else f"timed out after {sweep.timeout}",
-            )
+            return attempt.reason, _reason_text(attempt), None
         if ctx.lease_lost.is_set():
-            return "lost", "the lease was lost while the run was in flight"
+            return "lost", "the lease was lost while the run was in flight", None
         if isinstance(outcome, asyncio.CancelledError):
-            return "cancelled", None
+            return "cancelled", None, None
         if isinstance(outcome, BaseException):
-            return "failed", describe_error(outcome)
-        return "success", None
+            return "failed", describe_error(outcome), outcome
+        return "success", None, None
+
+    async def _record_timeout(self, attempt: Attempt) -> None:
+        """Finish a timed-out sync run's row now; the close, when its thread
+        returns, changes a finished row no more."""
+        if attempt.run_id is None:
+            return
+        try:
+            await bounded(
+                self.history.finish,
+                attempt.run_id,
+                attempt.sweep.name,
+                "timeout",
+                _reason_text(attempt),
+            )
+        except StoreError as error:
+            # The close writes it when the thread returns, or a settle after that.
+            attempt.ctx.logger.error("run.record_failed", operation="timeout", error=str(error))
 
     def stop(self, name: str, reason: CancelReason) -> Attempt | None:
         """Tell the in-flight run of ``name`` to stop; an async run is cancelled."""
@@ -434,35 +499,68 @@ class Runner:
     def _unhealthy(self) -> None:
         """Claim nothing until a probe reaches the database again."""
         self.store_healthy = False
+        self._recover()
+
+    def _recover(self) -> None:
+        """Once the database answers, write what could not be written."""
         if self._probing is None or self._probing.done():
-            self._probing = asyncio.create_task(self._probe(), name="store-probe")
+            self._probing = spawn(self._probe(), name="store-probe")
 
     async def _probe(self) -> None:
-        while not self.store_healthy:
+        while True:
             try:
                 await bounded(self.store.now)
             except StoreError as error:
                 self.log.warning("store.unavailable", error=str(error))
                 await self.clock.sleep(1.0)
                 continue
-            self.store_healthy = True
-            self.log.info("store.available")
-        await self.settle()
+            if not self.store_healthy:
+                self.store_healthy = True
+                self.log.info("store.available")
+            await self.settle()
+            if not (self.unfinished or self.unreleased):
+                return
+            await self.clock.sleep(1.0)  # answered the probe, failed the writes: again
 
     async def settle(self) -> None:
-        """Write the endings that could not be written when the runs ended.
+        """Write the endings and releases that failed when their runs ended.
 
         A run that ended during an outage must not stay ``running`` in the
-        history until the next claim of its sweep happens to mark it lost.
+        history, nor its lease block the sweep's next tick on every replica
+        until its ttl runs out. One settle at a time: two would write, and
+        then drop, the same ending twice.
         """
+        if self._settling is None or self._settling.done():
+            self._settling = spawn(self._settle(), name="settle")
+        # Shielded: a caller cancelled while it waits does not cut the writes short.
+        await asyncio.shield(self._settling)
+
+    async def _settle(self) -> None:
         for ending in list(self.unfinished):
             run_id, name, status, message = ending
             try:
                 await bounded(self.history.finish, run_id, name, status, message)
-            except StoreError:
+            except StoreError as error:
+                self.log.warning(
+                    "run.record_failed", operation="finish", late=True, error=str(error)
+                )
                 return  # still down: the next settle tries again
             self.unfinished.remove(ending)
             self.log.info("run.recorded_late", sweep=name, run_id=run_id, status=status)
+        if not self.unreleased:
+            return
+        # Under the same holder and token: a lease that expired and was taken
+        # by another replica meanwhile has a new token, and is left alone.
+        held = list(self.unreleased.items())
+        try:
+            freed = await bounded(self.store.release_each, self.holder, held)
+        except StoreError as error:
+            self.log.warning("lease.release_failed", late=True, error=str(error))
+            return
+        for (name, token), released in zip(held, freed, strict=True):
+            if self.unreleased.get(name) == token:
+                del self.unreleased[name]
+            self.log.info("lease.released_late", sweep=name, fencing_token=token, released=released)
 
 
 class _Heartbeat:
@@ -565,3 +663,19 @@ def _start_thread(
         threading.current_thread().name = "sweepd-sweep"
 
     _THREADS.run(job)
+
+
+def _reason_text(attempt: Attempt) -> str | None:
+    """The row's error for a run stopped from outside; durations as a config writes them."""
+    if attempt.reason != "timeout" or attempt.sweep.timeout is None:
+        return None
+    return f"timed out after {format_duration(attempt.sweep.timeout)}"
+
+
+def format_traceback(error: BaseException) -> str:
+    """A failed run's traceback: its last frames, and at most ``TRACEBACK_CHARS``
+    of text, cut at the front so that the error itself stays."""
+    text = "".join(traceback.format_exception(error, limit=-TRACEBACK_FRAMES)).rstrip()
+    if len(text) > TRACEBACK_CHARS:
+        text = "…" + text[-(TRACEBACK_CHARS - 1) :]
+    return text

@@ -43,6 +43,7 @@ from sweepd.lease import (
     Want,
     Won,
     claim_outcome,
+    first_of_each,
 )
 from sweepd.model import SweepDef
 
@@ -76,6 +77,15 @@ class Hand:
     name: str
     token: int
     ending: Row | None
+
+
+@dataclass(frozen=True)
+class Closed:
+    """What closing a run did: why its row or its release failed, if they did."""
+
+    row_error: str | None  # None: finished, or there was no row to finish
+    released: bool  # False with no release_error: the lease was no longer this holder's
+    release_error: str | None = None
 
 
 # Claim, mark the won sweeps' stale rows lost, and write their first rows.
@@ -155,6 +165,17 @@ class TickStore:
         fails its ask: a won tick whose stale check or row failed is reported
         as such, so that its lease is still released.
         """
+        unique = first_of_each([ask.sweep.name for ask in asks])  # never one sweep twice
+        if len(unique) == len(asks):
+            return self._open_unique(asks, limit)
+        results: list[Opened | StoreError | None] = [None] * len(asks)
+        opened = self._open_unique([asks[i] for i in unique], limit)
+        for i, result in zip(unique, opened, strict=True):
+            results[i] = result
+        return results
+
+    def _open_unique(self, asks: list[Ask], limit: int) -> list[Opened | StoreError | None]:
+        """``open_upto`` for asks of different sweeps."""
         results: list[Opened | StoreError | None] = [None] * len(asks)
         rest = list(range(len(asks)))
         if self._postgresql or self._sqlite:
@@ -276,25 +297,28 @@ class TickStore:
 
     # -- close ---------------------------------------------------------------------------
 
-    def close_many(self, hands: list[Hand]) -> list[tuple[str | None, bool] | StoreError]:
-        """Finish each hand's row, then release its lease; per hand, why its row could
-        not be finished (or None) and whether its lease was released."""
+    def close_many(self, hands: list[Hand]) -> list[Closed]:
+        """Finish each hand's row, then release its lease, saying per hand what failed."""
         if self._postgresql:
             return self._close_postgresql(hands)
         endings = [hand.ending for hand in hands if hand.ending is not None]
-        failed = None
+        row_error = None
         if endings:
             try:
                 self.history.finish_many(endings)
             except StoreError as error:
-                failed = str(error)
-        released = self.store.release_many(self.holder, [(h.name, h.token) for h in hands])
+                row_error = str(error)
+        held = [(hand.name, hand.token) for hand in hands]
+        try:
+            released = self.store.release_each(self.holder, held)
+        except StoreError as error:
+            return [Closed(_row_error(hand, row_error), False, str(error)) for hand in hands]
         return [
-            (failed if hand.ending is not None else None, freed)
+            Closed(_row_error(hand, row_error), freed)
             for hand, freed in zip(hands, released, strict=True)
         ]
 
-    def _close_postgresql(self, hands: list[Hand]) -> list[tuple[str | None, bool] | StoreError]:
+    def _close_postgresql(self, hands: list[Hand]) -> list[Closed]:
         endings = [hand.ending for hand in hands if hand.ending is not None]
         params: dict[str, Any] = {
             "p_namespace": self.store.namespace,
@@ -316,6 +340,11 @@ class TickStore:
         try:
             freed = retry_deadlocks(close)
         except SQLAlchemyError as error:
-            fault = store_fault("run finish", hands[0].name, self.engine, error)
-            return [(str(fault) if hand.ending is not None else None, False) for hand in hands]
-        return [(None, hand.name in freed) for hand in hands]
+            # One statement: neither the rows nor the releases went through.
+            fault = str(store_fault("run finish", hands[0].name, self.engine, error))
+            return [Closed(_row_error(hand, fault), False, fault) for hand in hands]
+        return [Closed(None, hand.name in freed) for hand in hands]
+
+
+def _row_error(hand: Hand, error: str | None) -> str | None:
+    return error if hand.ending is not None else None
