@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from sweepd.clock import Clock, SystemClock
+from sweepd.durations import format_duration
 from sweepd.errors import StoreError
 from sweepd.history import History
 from sweepd.lease import LeaseStore, make_holder
@@ -133,9 +134,11 @@ class Daemon:
         now = self.clock.now()
         for sweep in self._all_sweeps(self.settings):
             self._add(sweep, now, starting=True)
+        # The config's sweeps, counted as check-config counts them; the
+        # internal history sweep is the daemon's own business.
         self.log.info(
             "daemon.started",
-            sweeps=len(self.flights),
+            sweeps=len(self.settings.sweeps),
             concurrency=self.settings.concurrency,
             dry_run=self.dry_run,
         )
@@ -190,7 +193,7 @@ class Daemon:
 
         def prune() -> None:
             deleted = history.prune(keep)
-            self.log.info("history.pruned", deleted=deleted, keep=str(keep))
+            self.log.info("history.pruned", deleted=deleted, keep=format_duration(keep))
 
         return SweepDef(
             name=HISTORY_SWEEP,
@@ -205,8 +208,8 @@ class Daemon:
     def _add(self, sweep: SweepDef, now: datetime, *, starting: bool = False) -> None:
         generation = self._generation.get(sweep.name, 0) + 1
         self._generation[sweep.name] = generation
-        flight = self.flights.get(sweep.name)
-        if flight is None or flight.removed:
+        flight = self.flights.get(sweep.name) or self._revive(sweep.name)
+        if flight is None:
             self.flights[sweep.name] = Flight(sweep)
         else:
             flight.sweep = sweep  # the run in flight finishes with the settings it started with
@@ -220,6 +223,19 @@ class Daemon:
                 self._enqueue(sweep.name, latest)
         if first is not None:
             self._push(sweep, first, generation)
+
+    def _revive(self, name: str) -> Flight | None:
+        """The flight of a sweep that a reload removed and this one adds back,
+        if its last tick is still running or waiting for a slot. It takes the
+        sweep back: a second flight would race the first for the lease, and
+        both could be handed the same claim."""
+        for flight in self._retired:
+            if flight.sweep.name == name and flight.task is not None:
+                self._retired.remove(flight)
+                flight.removed = False
+                self.flights[name] = flight
+                return flight
+        return None
 
     def _push(self, sweep: SweepDef, tick: datetime, generation: int) -> None:
         self._seq += 1
@@ -298,6 +314,8 @@ class Daemon:
         finally:
             flight.task = None
             flight.waiting = None
+            if flight.removed and flight in self._retired:
+                self._retired.remove(flight)
 
     # -- reload ---------------------------------------------------------------------------------
 
@@ -391,8 +409,9 @@ class Daemon:
                 "run.cancelling", sweep=name, run_id=attempt.run_id, reason="drain_timeout"
             )
             # Recorded now, before the code gets its chance to return: a run cut
-            # off at the deadline is "cancelled" whatever it does next.
-            if attempt.run_id is not None:
+            # off at the deadline is "cancelled" whatever it does next. One
+            # that had timed out already says so, and keeps saying it.
+            if attempt.run_id is not None and attempt.reason != "timeout":
                 try:
                     await bounded(
                         history.finish, attempt.run_id, name, "cancelled", "drain timeout reached"

@@ -47,7 +47,12 @@ class ManualClock:
 
     async def sleep(self, seconds: float) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        timer = self.call_later(seconds, lambda: future.done() or future.set_result(None))
+
+        def wake() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        timer = self.call_later(seconds, wake)
         try:
             await future
         finally:

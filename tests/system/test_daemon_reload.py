@@ -171,3 +171,37 @@ def test_sighup_with_an_edited_schedule_makes_no_surprise_runs(
     # Nothing scheduled before the reload started after it.
     late = [r for r in read_runs(out) if r["event"] == "start" and epoch(r["tick"]) <= at]
     assert all(r["at"] < at for r in late), late
+
+
+def test_a_sweep_removed_and_added_back_while_its_tick_waits_for_a_slot_never_overlaps(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # One slot, held by hog for 4 s: b's tick waits for it. The first SIGHUP
+    # removes b while that tick waits, the second adds b back before the slot
+    # frees. The old and the new flight of b must not both claim b.
+    out = tmp_path / "runs.jsonl"
+    hog = sweep("hog", out, every="10s", args={"duration": 4.0})
+    with_b = [hog, sweep("b", out)]
+    config = write_config(tmp_path / "sweepd.yaml", cluster.url, with_b, concurrency=1)
+    (replica,) = cluster.start(config)
+    wait_for_runs(out, "hog", after=0, count=1, timeout=15)
+    hog_start = next(r for r in read_runs(out) if r["sweep"] == "hog" and r["event"] == "start")
+    # Both reloads while hog runs (from a whole second, for 4 s), after b's
+    # next tick began to wait: at 1.5 s and 2.5 s into hog's run.
+    assert time.time() < hog_start["at"] + 1.0, "hog's run began too long ago to test with"
+    time.sleep(hog_start["at"] + 1.0 - time.time())
+    write_config(tmp_path / "sweepd.yaml", cluster.url, [hog], concurrency=1)
+    reload(replica, "config.reloaded")
+    write_config(tmp_path / "sweepd.yaml", cluster.url, with_b, concurrency=1)
+    _, back = reload(replica, "config.reloaded")
+    assert back < hog_start["at"] + 4.0, "the slot freed before b was added back"
+    wait_for_runs(out, "b", after=back, count=3, timeout=15)
+    stop(replica)
+
+    runs = read_runs(out)
+    assert not overlaps(runs)
+    b_starts = [r for r in runs if r["sweep"] == "b" and r["event"] == "start"]
+    tokens = [r["token"] for r in b_starts]
+    assert len(tokens) == len(set(tokens)), f"one claim ran twice: {b_starts}"
+    assert len({r["tick"] for r in b_starts}) == len(b_starts), "a tick of b ran twice"
+    assert {row["status"] for row in read_rows(cluster.url)} == {"success"}

@@ -401,7 +401,7 @@ def test_a_claim_that_raises_a_bug_answers_every_tick_and_frees_the_slots(
 
 def test_a_claim_that_answers_the_wrong_number_of_ticks_fails_them_all() -> None:
     async def scenario() -> list[str | BaseException | None]:
-        slots = Slots(2, lambda items, limit: ["won"], holds=lambda r: r == "won")
+        slots: Slots[str, str] = Slots(2, lambda items, limit: ["won"], holds=lambda r: r == "won")
         asks = (slots.take(f"s{i}") for i in range(2))
         return list(await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 2))
 
