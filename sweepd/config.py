@@ -1,15 +1,16 @@
 """YAML + environment + Python declarations -> ``Settings``, with every problem located.
 
-Loading happens in three passes, and each collects all of its problems
-before giving up, so an operator fixes a file in one round instead of one
-error per run:
+Loading happens in three passes, and one run reports the problems of all
+three, so an operator fixes a file in one round instead of one error per run:
 
 1. the file is parsed with positions kept (``yamlfile``) and the environment
    overrides are laid over it, remembered as coming from ``$NAME``;
-2. the shape is validated by pydantic models that forbid unknown keys;
+2. the shape is validated by pydantic models that forbid unknown keys; a key
+   whose value is wrong is reported and left out, and the rest goes on;
 3. entrypoint modules are imported, each YAML sweep is merged field by field
    over the ``@sweep`` of the same name, and every callable, schedule and
-   argument list is resolved against real code.
+   argument list is resolved against real code, except where a key they
+   depend on was already reported (a bad ``every`` is not also "no schedule").
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path as FsPath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
@@ -30,6 +31,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
 from pydantic_core import ErrorDetails
 
@@ -185,6 +188,16 @@ class SweepFile(_Strict):
     coalesce: Literal["latest", "earliest"] | None = None
     catch_up: Literal["none", "latest"] | None = None
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_null(cls, value: Any, info: ValidationInfo) -> Any:
+        # None above means "not written, take the default", and a written null
+        # would reach the daemon as None. Only timeout gives null a meaning (no
+        # time limit, beating a default); a null name is pydantic's to refuse.
+        if value is None and info.field_name not in ("name", "timeout"):
+            raise ValueError("null is not a value here: leave the key out to take the default")
+        return value
+
 
 class DatabaseFile(_Strict):
     url: Url | None = None
@@ -252,29 +265,22 @@ def settings_from_text(
     overrides: Overrides = Overrides(),
     sweeps: registry.Registry | None = None,
 ) -> Settings:
-    located, parsed, items, problems = _validate(text, source, environment, overrides)
-    if parsed is None:
-        raise ConfigError(problems)
-    # Sweeps whose shape is fine are still resolved against code when others
-    # are not, so one run lists the bad duration and the missing module alike.
-    resolver = _Resolver(located, parsed, items, environment, sweeps or registry.REGISTRY)
-    resolver.problems = problems
-    return resolver.resolve()
+    checked = _validate(text, source, environment, overrides)
+    # What the shape errors left is still resolved against code, so one run
+    # lists the bad duration and the missing module alike.
+    return _Resolver(checked, environment, sweeps or registry.REGISTRY).resolve()
 
 
 def load_database(
     path: str, environment: Environment, overrides: Overrides = Overrides()
 ) -> tuple[Database, str]:
     """Only the database and namespace, for commands that need no sweep code (``db``, ``lock``)."""
-    located, parsed, _items, problems = _validate(_read(path), path, environment, overrides)
-    if parsed is None:
-        raise ConfigError(problems)
-    resolver = _Resolver(located, parsed, [], environment, registry.Registry())
+    checked = _validate(_read(path), path, environment, overrides)
+    resolver = _Resolver(checked, environment, registry.Registry())
     database = resolver.database()
-    problems += resolver.problems
-    if problems or database is None:
-        raise ConfigError(problems)
-    return database, parsed.namespace
+    if resolver.problems or database is None:
+        raise ConfigError(resolver.problems)
+    return database, checked.parsed.namespace
 
 
 def _read(path: str) -> str:
@@ -288,9 +294,58 @@ def _read(path: str) -> str:
         raise ConfigError([Problem(path, "", "cannot read config: not UTF-8 text")]) from None
 
 
-def _validate(
-    text: str, source: str, environment: Environment, overrides: Overrides
-) -> tuple[yamlfile.Located, ConfigFile | None, list[tuple[int, SweepFile]], list[Problem]]:
+M = TypeVar("M", bound=BaseModel)
+
+
+def _salvage(model: type[M], data: Any) -> tuple[M | None, list[ErrorDetails], frozenset[str]]:
+    """Validate ``data``; on errors, validate it again without the keys they are in.
+
+    Returns the model of what is left (None when a required key is among the
+    broken ones, or ``data`` is no mapping), the errors, and the broken keys.
+    A misspelt key breaks the key it is close to, when that one is absent:
+    "evrey: 1m" is the missing ``every``, not a second problem.
+    """
+    try:
+        return model.model_validate(data), [], frozenset()
+    except ValidationError as exc:
+        errors = exc.errors()
+    if not isinstance(data, dict):
+        return None, errors, frozenset()
+    broken = {str(error["loc"][0]) for error in errors if error["loc"]}
+    for error in errors:
+        if error["type"] == "extra_forbidden" and len(error["loc"]) == 1:
+            meant = _close_key(str(error["loc"][0]), list(model.model_fields))
+            if meant is not None and meant not in data:
+                broken.add(meant)
+    try:
+        rest = model.model_validate({k: v for k, v in data.items() if str(k) not in broken})
+    except ValidationError:
+        return None, errors, frozenset(broken)
+    return rest, errors, frozenset(broken)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A ``sweeps:`` item whose shape lets it be checked against code."""
+
+    index: int
+    entry: SweepFile
+    broken: frozenset[str]  # keys already reported, left out of ``entry``
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What pass 2 hands to pass 3: the parts whose shape is fine, and the problems so far."""
+
+    located: yamlfile.Located
+    parsed: ConfigFile  # a top-level key already reported is at its default
+    broken: frozenset[str]  # those top-level keys
+    entrypoints: list[tuple[int, str]]  # (index in the file, module) of the valid names
+    items: list[_Item]
+    problems: list[Problem]
+
+
+def _validate(text: str, source: str, environment: Environment, overrides: Overrides) -> _Checked:
     """Passes 1 and 2: the file's shape, each sweep item checked on its own."""
     try:
         located = yamlfile.load(text, source)
@@ -310,22 +365,26 @@ def _validate(
     _lay_environment(located, environment, overrides)
     data = dict(located.data)
     raw_items = data.get("sweeps")
-    items: list[tuple[int, SweepFile]] = []
+    items: list[_Item] = []
     if isinstance(raw_items, list):
         data["sweeps"] = None
         for index, item in enumerate(raw_items):
-            try:
-                items.append((index, SweepFile.model_validate(item)))
-            except ValidationError as exc:
-                for error in exc.errors():
-                    error["loc"] = ("sweeps", index, *error["loc"])
-                    problems.append(_problem(located, error))
-    parsed: ConfigFile | None = None
-    try:
-        parsed = ConfigFile.model_validate(data)
-    except ValidationError as exc:
-        problems[:0] = [_problem(located, error) for error in exc.errors()]
-    return located, parsed, items, problems
+            entry, errors, broken_keys = _salvage(SweepFile, item)
+            for error in errors:
+                error["loc"] = ("sweeps", index, *error["loc"])
+                problems.append(_problem(located, error))
+            if entry is not None:
+                items.append(_Item(index, entry, broken_keys))
+    parsed, errors, broken = _salvage(ConfigFile, data)
+    assert parsed is not None  # every top-level key has a default
+    problems[:0] = [_problem(located, error) for error in errors]
+    entrypoints = list(enumerate(parsed.entrypoints))
+    raw_modules = data.get("entrypoints")
+    if "entrypoints" in broken and isinstance(raw_modules, list):
+        # One bad name does not keep the others from registering their sweeps.
+        bad = {loc[1] for loc in (e["loc"] for e in errors) if loc[0] == "entrypoints" and loc[1:]}
+        entrypoints = [(i, m) for i, m in enumerate(raw_modules) if i not in bad]
+    return _Checked(located, parsed, broken, entrypoints, items, problems)
 
 
 def _lay_environment(
@@ -422,9 +481,15 @@ def _problem(located: yamlfile.Located, error: ErrorDetails) -> Problem:
 def _unknown_key(path: yamlfile.Path) -> str:
     key = str(path[-1])
     allowed = _allowed_keys(path[:-1])
-    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(allowed)})"
+    close = _close_key(key, allowed)
+    hint = f" (did you mean {close!r}?)" if close else f" (allowed: {', '.join(allowed)})"
     return f"unknown key {key!r}{hint}"
+
+
+def _close_key(key: str, allowed: list[str]) -> str | None:
+    """The allowed key that ``key`` is most likely a misspelling of."""
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _allowed_keys(parent: yamlfile.Path) -> list[str]:
@@ -464,19 +529,14 @@ class _Field:
 
 class _Resolver:
     def __init__(
-        self,
-        located: yamlfile.Located,
-        parsed: ConfigFile,
-        items: list[tuple[int, SweepFile]],
-        environment: Environment,
-        sweeps: registry.Registry,
+        self, checked: _Checked, environment: Environment, sweeps: registry.Registry
     ) -> None:
-        self.located = located
-        self.parsed = parsed
-        self.items = items
+        self.checked = checked
+        self.located = checked.located
+        self.parsed = checked.parsed
         self.environment = environment
         self.registry = sweeps
-        self.problems: list[Problem] = []
+        self.problems: list[Problem] = list(checked.problems)
         self.warnings: list[Problem] = []
 
     def resolve(self) -> Settings:
@@ -516,6 +576,8 @@ class _Resolver:
     # database ----------------------------------------------------------------
 
     def database(self) -> Database | None:
+        if "database" in self.checked.broken:
+            return None  # its defaults would raise problems the file does not have
         db = self.parsed.database
         if db.url is not None and db.url_file is not None:
             self.problems.append(
@@ -579,7 +641,7 @@ class _Resolver:
     # modules -----------------------------------------------------------------
 
     def _import_modules(self) -> None:
-        for index, module in enumerate(self.parsed.entrypoints):
+        for index, module in self.checked.entrypoints:
             try:
                 registry.import_module(module)
             except registry.ResolveError as exc:
@@ -606,22 +668,24 @@ class _Resolver:
 
     def _sweeps(self) -> list[SweepDef]:
         merged: dict[str, dict[str, _Field]] = {}
+        broken: dict[str, set[str]] = {}  # keys already reported, per sweep
         origin: dict[str, tuple[str, str, str]] = {}  # where, spelled path, source shown
         first_line: dict[str, str] = {}
         rejected: set[str] = set()  # decorators already reported as invalid
         for declared in self.registry.all():
-            fields = self._declared_fields(declared)
-            if fields is None:
+            found = self._declared_fields(declared)
+            if found is None:
                 rejected.add(declared.name)
             else:
-                merged[declared.name] = fields
+                merged[declared.name], broken[declared.name] = found
                 origin[declared.name] = (
                     declared.source,
                     f"@sweep({declared.name})",
                     declared.source,
                 )
-        for index, entry in self.items:
-            item = self._where("sweeps", index)
+        for item in self.checked.items:
+            index, entry = item.index, item.entry
+            where = self._where("sweeps", index)
             if entry.name in first_line:
                 self.problems.append(
                     Problem(
@@ -631,51 +695,67 @@ class _Resolver:
                     )
                 )
                 continue
-            first_line[entry.name] = item
+            first_line[entry.name] = where
             if entry.name in rejected:
                 continue
-            shown = item.rsplit(":", 1)[0]
+            shown = where.rsplit(":", 1)[0]
             if entry.name in origin:
                 shown += f" over {origin[entry.name][2]}"
             fields = merged.setdefault(entry.name, {})
-            if entry.model_fields_set & {"every", "cron"}:
+            unknown = broken.setdefault(entry.name, set())
+            if (entry.model_fields_set | item.broken) & {"every", "cron"}:
                 # A schedule in the file replaces the decorator's whole schedule:
                 # "cron:" over "@sweep(every=...)" means cron, not both.
                 for key in ("every", "cron", "anchor", "timezone"):
                     fields.pop(key, None)
+                    unknown.discard(key)
             for key in entry.model_fields_set - {"name"}:
                 fields[key] = _Field(
                     getattr(entry, key), self._where("sweeps", index, key), f"sweeps[{index}].{key}"
                 )
-            origin[entry.name] = (item, f"sweeps[{index}]", shown)
+                unknown.discard(key)
+            for key in item.broken:
+                # The file's value replaces the decorator's even when it is bad.
+                fields.pop(key, None)
+                unknown.add(key)
+            origin[entry.name] = (where, f"sweeps[{index}]", shown)
         out = []
         for name, fields in merged.items():
-            built = self._build(name, fields, *origin[name])
+            built = self._build(name, fields, broken[name], *origin[name])
             if built is not None:
                 out.append(built)
         return out
 
-    def _declared_fields(self, declared: registry.Declared) -> dict[str, _Field] | None:
-        """Validate a decorator's settings with the file's rules."""
+    def _declared_fields(
+        self, declared: registry.Declared
+    ) -> tuple[dict[str, _Field], set[str]] | None:
+        """Validate a decorator's settings with the file's rules; also return the bad keys."""
         spelled = f"@sweep({declared.name})"
-        try:
-            entry = SweepFile.model_validate({"name": declared.name, **declared.settings})
-        except ValidationError as exc:
-            for error in exc.errors():
-                loc = ".".join(str(part) for part in error["loc"])
-                message = _problem(yamlfile.Located(None, declared.source), error).message
-                self.problems.append(Problem(declared.source, f"{spelled}.{loc}", message))
+        entry, errors, broken = _salvage(SweepFile, {"name": declared.name, **declared.settings})
+        for error in errors:
+            loc = ".".join(str(part) for part in error["loc"])
+            message = _problem(yamlfile.Located(None, declared.source), error).message
+            self.problems.append(Problem(declared.source, f"{spelled}.{loc}", message))
+        if entry is None:
             return None
         fields = {
             key: _Field(getattr(entry, key), declared.source, f"{spelled}.{key}")
             for key in entry.model_fields_set - {"name"}
         }
-        fields.setdefault("callable", _Field(declared.func, declared.source, spelled))
-        return fields
+        if "callable" not in broken:
+            fields.setdefault("callable", _Field(declared.func, declared.source, spelled))
+        return fields, set(broken)
 
     def _build(
-        self, name: str, fields: dict[str, _Field], where: str, spelled: str, source: str
+        self,
+        name: str,
+        fields: dict[str, _Field],
+        broken: set[str],
+        where: str,
+        spelled: str,
+        source: str,
     ) -> SweepDef | None:
+        """Check a merged sweep against code and build it; ``broken`` keys are not checked again."""
         defaults = self.parsed.defaults
         before = len(self.problems)
 
@@ -693,17 +773,31 @@ class _Resolver:
                 None,
                 f"sweep names starting with {RESERVED_PREFIX!r} are reserved for sweepd's own sweeps",
             )
-        schedule = self._schedule(name, fields, get, fail, defaults.timezone)
-        func, target = self._callable(fields, fail)
+        schedule = None
+        if not broken & {"every", "cron"}:
+            schedule = self._schedule(name, fields, get, fail, defaults.timezone)
+        func, target = None, ""
+        if "callable" not in broken:
+            func, target = self._callable(fields, fail)
         args = dict(get("args") or {})
         wants_ctx = False
-        if func is not None:
+        if func is not None and "args" not in broken:
             try:
                 wants_ctx = registry.check_arguments(func, args)
             except registry.ResolveError as exc:
                 fail("args" if "args" in fields else "callable", str(exc))
-        if len(self.problems) > before or schedule is None or func is None:
+        if broken or len(self.problems) > before or schedule is None or func is None:
             return None
+        misfire_grace = get("misfire_grace", defaults.misfire_grace)
+        if (
+            isinstance(schedule, Every)
+            and "misfire_grace" not in fields
+            and "misfire_grace" not in defaults.model_fields_set
+        ):
+            # The default fits any interval, so a plain "every: 1s" is not
+            # warned about a grace nobody wrote. A cron's ticks are a minute
+            # apart at least, so the 30s default always fits them.
+            misfire_grace = min(misfire_grace, schedule.interval)
         retries = get("retries") or RetriesFile()
         sweep = SweepDef(
             name=name,
@@ -712,7 +806,7 @@ class _Resolver:
             schedule=schedule,
             ttl=get("ttl", defaults.ttl),
             timeout=get("timeout", defaults.timeout),
-            misfire_grace=get("misfire_grace", defaults.misfire_grace),
+            misfire_grace=misfire_grace,
             jitter=get("jitter", timedelta(0)),
             retries=Retries(max=retries.max, backoff=retries.backoff),
             args=args,
@@ -762,6 +856,8 @@ class _Resolver:
     ) -> tuple[Callable[..., Any] | None, str]:
         value = fields["callable"].value if "callable" in fields else None
         if value is None:
+            if "entrypoints" in self.checked.broken:
+                return None, ""  # its @sweep may be in a module that could not be named
             fail(
                 None,
                 "missing required key 'callable' (module:attribute), and no @sweep of this name was imported",
@@ -790,9 +886,12 @@ class _Resolver:
                     f"an interval of {format_duration(interval)} is under a second: every tick is a database round trip on every replica",
                 )
             if sweep.misfire_grace > interval:
+                grace = format_duration(sweep.misfire_grace)
+                if "misfire_grace" not in fields:
+                    grace += " (from defaults.misfire_grace)"
                 warn(
                     "misfire_grace",
-                    f"misfire_grace {format_duration(sweep.misfire_grace)} is longer than the interval {format_duration(interval)}: a late tick may still run after the next one is due",
+                    f"misfire_grace {grace} is longer than the interval {format_duration(interval)}: a late tick may still run after the next one is due",
                 )
             if sweep.jitter >= interval:
                 warn(

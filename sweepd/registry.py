@@ -12,6 +12,7 @@ import importlib
 import inspect
 import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,21 +133,64 @@ def import_module(module: str) -> None:
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
             raise ResolveError(f"module {module!r} not found") from exc
-        raise ResolveError(f"importing {module!r} failed: {_describe(exc)}") from exc
+        raise ResolveError(f"importing {module!r} failed: {_describe(exc, module)}") from exc
     except (Exception, SystemExit) as exc:
-        raise ResolveError(f"importing {module!r} failed: {_describe(exc)}") from exc
+        raise ResolveError(f"importing {module!r} failed: {_describe(exc, module)}") from exc
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, module: str) -> str:
     """``Type: message (file.py:LINE)``, naming the user's line, never a traceback."""
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"SyntaxError: {exc.msg} ({_relative(exc.filename)}:{exc.lineno})"
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "importlib" not in f.filename]
-    if user:
-        return f"{text} ({_relative(user[-1].filename)}:{user[-1].lineno})"
+    frame = _user_frame(traceback.extract_tb(exc.__traceback__), module)
+    if frame is not None:
+        return f"{text} ({_relative(frame.filename)}:{frame.lineno})"
     return text
+
+
+# Where the interpreter and installed packages live, longest first so that a
+# venv's site-packages wins over the lib folder that holds it.
+_LIBRARY_DIRS = sorted(
+    {
+        os.path.join(os.path.normpath(sysconfig.get_path(name)), "")
+        for name in ("stdlib", "platstdlib", "purelib", "platlib")
+    },
+    key=len,
+    reverse=True,
+)
+
+
+def _user_frame(frames: traceback.StackSummary, module: str) -> traceback.FrameSummary | None:
+    """The line to fix, as a compiler would name it.
+
+    An import fails as often in the standard library (``os.environ["DSN"]``
+    raises in ``<frozen os>``) as in the module itself, so the deepest frame
+    in the module's own file wins, then the deepest in the operator's code
+    (anything but sweepd, the standard library and other installed packages),
+    then the deepest outside importlib's machinery.
+    """
+    parts = module.split(".")
+
+    def own(path: str) -> bool:
+        stem = os.path.splitext(path)[0].split(os.sep)
+        return stem[-len(parts) :] == parts or stem[-len(parts) - 1 :] == [*parts, "__init__"]
+
+    def operators(path: str) -> bool:
+        if path.startswith("<") or os.path.dirname(path) == os.path.dirname(__file__):
+            return False
+        for root in _LIBRARY_DIRS:
+            if path.startswith(root):
+                # An installed package is the operator's code when it is the one imported.
+                return path[len(root) :].split(os.sep, maxsplit=1)[0] == parts[0]
+        return True
+
+    for wanted in (own, operators):
+        found = [frame for frame in frames if wanted(os.path.normpath(frame.filename))]
+        if found:
+            return found[-1]
+    rest = [frame for frame in frames if "importlib" not in frame.filename]
+    return rest[-1] if rest else None
 
 
 def resolve_callable(target: str) -> Callable[..., Any]:

@@ -49,7 +49,7 @@ class Every:
 
 @dataclass(frozen=True)
 class Cron:
-    """Ticks where a five-field crontab expression matches, in ``timezone``."""
+    """Ticks where a five-field crontab expression (or an ``@daily`` alias) matches, in ``timezone``."""
 
     expression: str
     timezone: str = "UTC"
@@ -100,12 +100,39 @@ def _translate_weekdays(spelled: str) -> str:
     return ",".join(dict.fromkeys(out))
 
 
+# crontab's @-names, with crontab's meaning; each reads in the sweep's time zone.
+_ALIASES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+
+def _unalias(expression: str) -> str:
+    """The five fields an ``@alias`` stands for; any other expression as it is."""
+    spelled = expression.strip()
+    if not spelled.startswith("@"):
+        return expression
+    if spelled in _ALIASES:
+        return _ALIASES[spelled]
+    accepted = f"(accepted: {', '.join(_ALIASES)})"
+    if spelled == "@reboot":
+        raise ValueError(
+            f"cron alias '@reboot' is not supported: sweepd fires on times, not on start {accepted}"
+        )
+    raise ValueError(f"unknown cron alias {spelled!r} {accepted}")
+
+
 def _cron_trigger(expression: str, timezone: str) -> CronTrigger:
     try:
         zone = ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError) as exc:
         raise ValueError(f"unknown time zone {timezone!r}") from exc
-    fields = expression.split()
+    fields = _unalias(expression).split()
     if len(fields) != 5:
         raise ValueError(
             f"cron expression {expression!r} has {len(fields)} fields, expected 5 "

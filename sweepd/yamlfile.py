@@ -88,6 +88,9 @@ def load(text: str, source: str) -> Located:
         if exc.context == "while scanning an alias":
             # "cron: */5 * * * *" unquoted: YAML reads the leading * as an alias.
             problem += " (a value starting with * must be quoted)"
+        elif exc.problem and "'@' that cannot start any token" in exc.problem:
+            # "cron: @daily" unquoted: YAML reserves @ at the start of a value.
+            problem += " (a value starting with @ must be quoted)"
         raise YamlSyntaxError(where, f"invalid YAML: {problem}") from exc
     except yaml.YAMLError as exc:
         raise YamlSyntaxError(source, f"invalid YAML: {exc}") from exc

@@ -2,7 +2,7 @@
 
 import sys
 import textwrap
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -11,7 +11,7 @@ from sweepd import registry
 from sweepd.config import Overrides, load_settings, settings_from_text
 from sweepd.environment import Environment, read_environment
 from sweepd.errors import ConfigError
-from sweepd.schedule import Cron, Every
+from sweepd.schedule import Cron, Every, next_tick
 
 
 @pytest.fixture
@@ -259,3 +259,207 @@ def test_a_yaml_schedule_replaces_the_decorators_whole_schedule(
     (rollup,) = settings_from_text(text, "c.yaml", Environment()).sweeps
     assert rollup.schedule == Cron("*/5 * * * *", "Europe/Berlin")
     assert rollup.ttl == timedelta(minutes=2)
+
+
+# -- every problem in one run ------------------------------------------------------
+
+
+def test_a_shape_error_elsewhere_does_not_stop_the_checks_against_code(
+    fresh_registry: registry.Registry,
+) -> None:
+    text = """\
+        concurency: 4
+        database: {url: sqlite:///x.db, pool: 3}
+        sweeps:
+          - name: purge
+            callable: sweepd.examples:nowhere
+            every: 1m
+    """
+    assert problems(text) == [
+        "c.yaml:2:33: database.pool: unknown key 'pool' (allowed: url, url_file, migrate)",
+        "c.yaml:1:1: concurency: unknown key 'concurency' (did you mean 'concurrency'?)",
+        "c.yaml:5:15: sweeps[0].callable: module 'sweepd.examples' has no attribute 'nowhere'",
+    ]
+
+
+def test_a_broken_key_is_reported_once_not_again_as_missing(
+    fresh_registry: registry.Registry,
+) -> None:
+    # The bad 'every' is not also "needs one of every or cron", the bad
+    # callable not also "missing callable", and the bad args not rebound.
+    text = """\
+        sweeps:
+          - name: a
+            callable: sweepd.examples:heartbeat
+            every: ten
+            ttl: 0s
+          - name: b
+            callable: not a target
+            cron: "0 * * * *"
+            args: {batch: 1}
+          - name: c
+            callable: sweepd.examples:heartbeat
+            every: 1m
+            args: [1]
+    """
+    assert problems(text) == [
+        "c.yaml:4:12: sweeps[0].every: invalid duration 'ten' (expected e.g. 500ms, 30s, 5m, 1h30m, 1d)",
+        "c.yaml:5:10: sweeps[0].ttl: must be longer than zero",
+        "c.yaml:7:15: sweeps[1].callable: invalid callable 'not a target' (expected module:attribute, e.g. myapp.jobs:purge)",
+        "c.yaml:13:11: sweeps[2].args: expected a mapping, got a list",
+    ]
+
+
+def test_a_decorator_with_a_bad_setting_still_has_its_arguments_checked(
+    module_dir: Path, fresh_registry: registry.Registry
+) -> None:
+    write_module(
+        module_dir,
+        "app_sweeps_partial",
+        """
+        from sweepd import sweep
+
+        @sweep(every="soon", args={"limit": 5})
+        def tidy(batch: int) -> None:
+            pass
+        """,
+    )
+    assert problems("entrypoints: [app_sweeps_partial]\n") == [
+        "app_sweeps_partial.py:4: @sweep(tidy).every: invalid duration 'soon' (expected e.g. 500ms, 30s, 5m, 1h30m, 1d)",
+        "app_sweeps_partial.py:4: @sweep(tidy).args: args do not fit tidy(batch): missing a required argument: 'batch'",
+    ]
+
+
+def test_a_bad_database_url_is_not_also_a_missing_one_in_production(
+    fresh_registry: registry.Registry,
+) -> None:
+    env = Environment(env="production")
+    assert problems("database: {url: 'redis://cache'}\n" + YAML_SWEEP, env) == [
+        "c.yaml:1:17: database.url: unsupported database URL (expected sqlite:///PATH, postgresql+psycopg://... or mysql+pymysql://...)",
+    ]
+
+
+def test_one_bad_entrypoint_name_does_not_stop_the_others_from_registering(
+    module_dir: Path, fresh_registry: registry.Registry
+) -> None:
+    write_module(
+        module_dir,
+        "app_sweeps_listed",
+        """
+        from sweepd import sweep
+
+        @sweep(every="1m")
+        def tidy() -> None:
+            pass
+        """,
+    )
+    text = """\
+        entrypoints: [app_sweeps_listed, "not-a-module"]
+        sweeps:
+          - {name: tidy, ttl: 2m}
+    """
+    assert problems(text) == [
+        "c.yaml:1:34: entrypoints[1]: invalid module name 'not-a-module' (expected e.g. myapp.sweeps)",
+    ]
+    # With no module to import, a sweep without callable is not blamed for it.
+    assert problems("entrypoints: app_sweeps_listed\nsweeps:\n  - {name: tidy, ttl: 2m}\n") == [
+        "c.yaml:1:14: entrypoints: expected a list, got string 'app_sweeps_listed'",
+    ]
+
+
+def test_a_written_null_is_refused_where_it_has_no_meaning(
+    fresh_registry: registry.Registry,
+) -> None:
+    # Only timeout has a meaning for null (no time limit); elsewhere a null
+    # used to reach the daemon as None and fail there.
+    text = """\
+        sweeps:
+          - name: tidy
+            callable: sweepd.examples:heartbeat
+            every: 1m
+            timeout: null
+            ttl: null
+            misfire_grace: null
+            enabled: null
+    """
+    assert problems(text) == [
+        "c.yaml:6:10: sweeps[0].ttl: null is not a value here: leave the key out to take the default",
+        "c.yaml:7:20: sweeps[0].misfire_grace: null is not a value here: leave the key out to take the default",
+        "c.yaml:8:14: sweeps[0].enabled: null is not a value here: leave the key out to take the default",
+    ]
+
+
+# -- cron aliases ----------------------------------------------------------------------
+
+
+def test_a_cron_alias_is_read_in_the_sweeps_time_zone(fresh_registry: registry.Registry) -> None:
+    text = "sweeps:\n  - {name: n, callable: 'sweepd.examples:heartbeat', cron: '@daily', timezone: Europe/Berlin}\n"
+    (sweep,) = settings_from_text(text, "c.yaml", Environment()).sweeps
+    assert sweep.schedule == Cron("@daily", "Europe/Berlin")
+    assert next_tick(sweep.schedule, datetime(2026, 6, 1, 12, tzinfo=UTC)) == datetime(
+        2026, 6, 1, 22, tzinfo=UTC
+    )
+
+
+def test_an_unknown_cron_alias_lists_the_accepted_ones(fresh_registry: registry.Registry) -> None:
+    text = "sweeps:\n  - {name: n, callable: 'sweepd.examples:heartbeat', cron: '@fortnightly'}\n"
+    assert problems(text) == [
+        "c.yaml:2:60: sweeps[0].cron: unknown cron alias '@fortnightly' (accepted: @yearly, @annually, @monthly, @weekly, @daily, @midnight, @hourly)",
+    ]
+
+
+# -- misfire_grace ------------------------------------------------------------------
+
+
+def test_the_default_misfire_grace_fits_a_short_interval_without_a_warning(
+    fresh_registry: registry.Registry,
+) -> None:
+    text = "sweeps:\n  - {name: n, callable: 'sweepd.examples:heartbeat', every: 1s}\n  - {name: c, callable: 'sweepd.examples:heartbeat', cron: '* * * * *'}\n"
+    settings = settings_from_text(text, "c.yaml", Environment())
+    assert [s.misfire_grace for s in settings.sweeps] == [
+        timedelta(seconds=1),
+        timedelta(seconds=30),
+    ]
+    assert settings.warnings == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "warning"),
+    [
+        (
+            "sweeps:\n  - {name: n, callable: 'sweepd.examples:heartbeat', every: 5s, misfire_grace: 10s}\n",
+            "c.yaml:2:80: sweeps[0].misfire_grace: misfire_grace 10s is longer than the interval 5s: a late tick may still run after the next one is due",
+        ),
+        (
+            "defaults: {misfire_grace: 10s}\nsweeps:\n  - {name: n, callable: 'sweepd.examples:heartbeat', every: 5s}\n",
+            "c.yaml:3:5: sweeps[0]: misfire_grace 10s (from defaults.misfire_grace) is longer than the interval 5s: a late tick may still run after the next one is due",
+        ),
+    ],
+    ids=["in-the-sweep", "in-defaults"],
+)
+def test_a_misfire_grace_the_user_wrote_still_warns(
+    text: str, warning: str, fresh_registry: registry.Registry
+) -> None:
+    settings = settings_from_text(text, "c.yaml", Environment())
+    assert settings.sweeps[0].misfire_grace == timedelta(seconds=10)
+    assert [str(w) for w in settings.warnings] == [warning]
+
+
+def test_a_decorators_misfire_grace_still_warns(
+    module_dir: Path, fresh_registry: registry.Registry
+) -> None:
+    write_module(
+        module_dir,
+        "app_sweeps_grace",
+        """
+        from sweepd import sweep
+
+        @sweep(every="5s", misfire_grace="10s")
+        def tidy() -> None:
+            pass
+        """,
+    )
+    settings = settings_from_text("entrypoints: [app_sweeps_grace]\n", "c.yaml", Environment())
+    assert [str(w) for w in settings.warnings] == [
+        "app_sweeps_grace.py:4: @sweep(tidy).misfire_grace: misfire_grace 10s is longer than the interval 5s: a late tick may still run after the next one is due",
+    ]

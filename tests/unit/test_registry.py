@@ -50,3 +50,42 @@ def test_a_broken_entry_point_is_a_located_problem(site: Path) -> None:
         "importing 'fake_broken_plugin' failed: RuntimeError: no credentials ("
     )
     assert problem.message.endswith("fake_broken_plugin.py:1)")
+
+
+def test_an_import_that_raises_in_the_stdlib_names_the_users_line(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.environ["X"] raises inside <frozen os>; the line to fix is the module's own.
+    monkeypatch.chdir(site)
+    monkeypatch.delenv("SWEEPD_TEST_UNSET_DSN", raising=False)
+    (site / "fake_settings_env.py").write_text(
+        'import os\n\n\nDSN = os.environ["SWEEPD_TEST_UNSET_DSN"]\n'
+    )
+    sys.modules.pop("fake_settings_env", None)
+    with pytest.raises(registry.ResolveError) as caught:
+        registry.import_module("fake_settings_env")
+    assert str(caught.value) == (
+        "importing 'fake_settings_env' failed: KeyError: 'SWEEPD_TEST_UNSET_DSN' (fake_settings_env.py:4)"
+    )
+
+
+def test_an_import_failing_in_its_package_names_the_packages_line(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Importing fake_app_pkg.jobs runs fake_app_pkg/__init__.py first: no frame
+    # is in jobs.py, so the deepest line of the package's own code is named.
+    monkeypatch.chdir(site)
+    monkeypatch.delenv("SWEEPD_TEST_UNSET_DSN", raising=False)
+    package = site / "fake_app_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from fake_app_pkg.settings import DSN\n")
+    (package / "settings.py").write_text('import os\n\nDSN = os.environ["SWEEPD_TEST_UNSET_DSN"]\n')
+    (package / "jobs.py").write_text("def purge() -> None: ...\n")
+    for name in ("fake_app_pkg", "fake_app_pkg.settings", "fake_app_pkg.jobs"):
+        sys.modules.pop(name, None)
+    with pytest.raises(registry.ResolveError) as caught:
+        registry.import_module("fake_app_pkg.jobs")
+    assert str(caught.value) == (
+        "importing 'fake_app_pkg.jobs' failed: KeyError: 'SWEEPD_TEST_UNSET_DSN' "
+        f"({Path('fake_app_pkg', 'settings.py')}:3)"
+    )
