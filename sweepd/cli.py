@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 from sqlalchemy.exc import SQLAlchemyError
@@ -24,6 +24,11 @@ from sweepd.errors import ConfigError, ExitCode, SweepdError, UsageError
 from sweepd.model import LogFormat, LogLevel, Settings
 from sweepd.plan import describe, render_text
 from sweepd.redact import mask_text, mask_url
+
+if TYPE_CHECKING:  # imported where used, so a command loads only what it needs
+    from sqlalchemy import Engine
+
+    from sweepd.lifecycle import EarlySignals
 
 
 def _settings(environment: Environment, config: str | None, database: str | None) -> Settings:
@@ -149,13 +154,10 @@ def check_config(
 @click.pass_obj
 def run(environment: Environment, config: str | None, database: str | None, dry_run: bool) -> int:
     """Run the daemon: fire every sweep on its schedule, each tick once across replicas."""
-    import asyncio
     import faulthandler
 
-    from sweepd.daemon import Daemon
-    from sweepd.db import migrate
     from sweepd.db.engine import make_engine
-    from sweepd.lifecycle import EarlySignals, serve
+    from sweepd.lifecycle import EarlySignals
     from sweepd.observe import configure_logging, flush_logs, get_logger
 
     early = EarlySignals()
@@ -163,11 +165,46 @@ def run(environment: Environment, config: str | None, database: str | None, dry_
     # live thread) is otherwise a bare exit status: this leaves every thread's
     # stack on stderr.
     faulthandler.enable()
-    path = config or environment.config
     settings = _settings(environment, config, database)
-    assert path is not None
-    configure_logging(settings.log_format, settings.log_level)
-    log = get_logger()
+    # Made before logging starts (it does not connect): a URL this install
+    # cannot use, its driver missing or its SQLite folder, is bad input and
+    # says so in one line, as a bad config does.
+    engine = make_engine(settings.database.url)
+    try:
+        json_lines = configure_logging(settings.log_format, settings.log_level)
+        log = get_logger()
+        try:
+            return _serve(environment, settings, engine, log, early, database, dry_run=dry_run)
+        except (SweepdError, SQLAlchemyError) as error:
+            if not json_lines:
+                raise
+            # A JSON log is read by a program: its last line, why the daemon
+            # stopped, must parse like the others.
+            message, status = _failure(error)
+            log.error("daemon.failed", message=message, exit_code=status)
+            raise click.exceptions.Exit(status) from None
+    finally:
+        flush_logs()  # before anything this process prints after the loop
+        engine.dispose()
+
+
+def _serve(
+    environment: Environment,
+    settings: Settings,
+    engine: Engine,
+    log: Any,
+    early: EarlySignals,
+    database: str | None,
+    *,
+    dry_run: bool,
+) -> int:
+    """The daemon's start once logging is set up: the schema, then the loop until it drains."""
+    import asyncio
+
+    from sweepd.daemon import Daemon
+    from sweepd.db import migrate
+    from sweepd.lifecycle import serve
+
     for warning in settings.warnings:
         log.warning(
             "config.warning", location=warning.location, path=warning.path, message=warning.message
@@ -182,19 +219,14 @@ def run(environment: Environment, config: str | None, database: str | None, dry_
         before, after = migrate.upgrade(settings.database.url)
         if before != after:
             log.info("schema.upgraded", before=before, after=after)
-    engine = make_engine(settings.database.url)
-    try:
-        migrate.require_current(engine)
+    migrate.require_current(engine)
 
-        def reload() -> Settings:
-            # The environment as read at start: a reload re-reads the file only.
-            return load_settings(path, environment, Overrides(database_url=database))
+    def reload() -> Settings:
+        # The environment as read at start: a reload re-reads the file only.
+        return load_settings(settings.path, environment, Overrides(database_url=database))
 
-        daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
-        return asyncio.run(serve(daemon, log, early))
-    finally:
-        flush_logs()  # before anything this process prints after the loop
-        engine.dispose()
+    daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
+    return asyncio.run(serve(daemon, log, early))
 
 
 def _database_url(
@@ -261,11 +293,33 @@ def db_check(environment: Environment, config: str | None, database: str | None)
 
 
 @db.command("sql")
-@click.option("--dialect", type=click.Choice(["postgresql", "mysql", "sqlite"]), required=True)
-def db_sql(dialect: str) -> int:
-    """Print the DDL that `db upgrade` runs on an empty database, for a DBA to apply."""
-    from sweepd.db import migrate
+@click.option(
+    "--dialect",
+    type=click.Choice(["postgresql", "mysql", "sqlite"]),
+    help="The DDL for this dialect (default: the database's).",
+)
+@config_option
+@database_option
+@click.pass_obj
+def db_sql(
+    environment: Environment, dialect: str | None, config: str | None, database: str | None
+) -> int:
+    """Print the DDL that `db upgrade` runs on an empty database, for a DBA to apply.
 
+    The dialect is --dialect's, else the database's (found as `db upgrade` finds
+    it), read from its URL: nothing connects, and no driver is needed.
+    """
+    from sweepd.db import migrate
+    from sweepd.db.engine import normalize_url
+
+    if dialect is None:
+        if not (database or environment.database_url or config or environment.config):
+            raise UsageError(
+                "no dialect given: pass --dialect postgresql|mysql|sqlite, or the database"
+                " (--database URL, SWEEPD_DATABASE_URL or --config PATH)"
+            )
+        url, _namespace, _migrate = _database_url(environment, config, database)
+        dialect = normalize_url(url).get_backend_name()
     click.echo(migrate.sql(dialect), nl=False)
     return ExitCode.OK
 
@@ -425,18 +479,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in exc.problems:
             click.echo(str(problem), err=True)
         return exc.exit_code
-    except SweepdError as exc:
-        click.echo(f"sweepd: {exc}", err=True)
-        return exc.exit_code
-    except SQLAlchemyError as exc:
-        # A database fault that no layer below named: still one line, no password.
-        orig = getattr(exc, "orig", None) or exc
-        first = (str(orig).strip().splitlines() or [""])[0]
-        click.echo(
-            f"sweepd: database error: {mask_text(f'{type(orig).__name__}: {first}')}", err=True
-        )
-        return ExitCode.FAILED
+    except (SweepdError, SQLAlchemyError) as exc:
+        message, status = _failure(exc)
+        click.echo(f"sweepd: {message}", err=True)
+        return status
     return int(result or 0)
+
+
+def _failure(error: SweepdError | SQLAlchemyError) -> tuple[str, int]:
+    """What went wrong, in one line, and the exit status it maps to."""
+    if isinstance(error, SweepdError):
+        return str(error), error.exit_code
+    # A database fault that no layer below named: still one line, no password.
+    orig = getattr(error, "orig", None) or error
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"database error: {mask_text(f'{type(orig).__name__}: {first}')}", ExitCode.FAILED
 
 
 def entry() -> None:

@@ -3,23 +3,14 @@
 Every variable sweepd honours is read here, by one call the CLI makes when a
 command starts. Nothing else looks at ``os.environ``: a variable that some
 module read at import and another read later could disagree about which
-value was in force, and an operator could not tell which one won.
+value was in force, and an operator could not tell which one won. What each
+variable does is in the README's table of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-VARIABLES: dict[str, str] = {
-    "SWEEPD_CONFIG": "path of the config file, when --config is not given",
-    "SWEEPD_DATABASE_URL": "database URL; overrides database.url and database.url_file",
-    "SWEEPD_NAMESPACE": "overrides namespace",
-    "SWEEPD_HEALTH_LISTEN": "overrides health.listen",
-    "SWEEPD_LOG_FORMAT": "overrides logging.format (auto, console, json)",
-    "SWEEPD_LOG_LEVEL": "overrides logging.level (debug, info, warning, error)",
-    "SWEEPD_ENV": "'production' refuses in-memory SQLite and an implicit database URL",
-}
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ class ConfigError(UsageError):
         super().__init__("\n".join(str(problem) for problem in problems))
 
 
+class DatabaseFileError(UsageError):
+    """The SQLite file of the database URL cannot be created or opened where it is."""
+
+
 class StoreError(SweepdError):
     """The lease store failed: the database could not be reached or refused the statement."""
 

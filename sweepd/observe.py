@@ -27,8 +27,12 @@ _LEVELS: dict[str, int] = {
 }
 
 
-def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None = None) -> None:
-    """Set structlog up once per process; ``auto`` is console on a terminal, else JSON."""
+def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None = None) -> bool:
+    """Set structlog up once per process; ``auto`` is console on a terminal, else JSON.
+
+    Returns whether the lines are JSON: then whatever else goes to that stream
+    must be an event too, or the line breaks the reader that parses them.
+    """
     out = stream or sys.stderr
     _LINES.point_at(out)
     console = format == "console" or (format == "auto" and out.isatty())
@@ -45,6 +49,7 @@ def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None 
         logger_factory=_LINES.factory,
         cache_logger_on_first_use=False,
     )
+    return not console
 
 
 # json.dumps with any option set builds a new encoder for every line; this

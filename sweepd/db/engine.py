@@ -1,4 +1,9 @@
-"""Engines per dialect, and the one place that knows how the dialects differ.
+"""Engines and the helpers the stores share to run SQL on them.
+
+``make_engine`` turns a URL into an engine set up for its dialect; around it
+are the database's clock as SQL (``db_now``), the reading of driver errors,
+and the driver-cursor path the hot statements take. The stores themselves
+(lease.py, ticks.py, history.py) own their SQL and its per-dialect forms.
 
 Every engine here fails fast: a database that does not answer must fail a
 claim within seconds, loudly, rather than hang the daemon while it looks
@@ -10,6 +15,7 @@ one transaction spelled out is SQLite's batch of claims and run rows
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,7 +33,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 
 from sweepd.db.schema import UtcDateTime
-from sweepd.errors import StoreError, UsageError
+from sweepd.errors import DatabaseFileError, StoreError, UsageError
 from sweepd.redact import mask_in, mask_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=5)
@@ -41,6 +47,8 @@ _DRIVERS = {
     "mariadb": "mysql+pymysql",
     "mariadb+pymysql": "mysql+pymysql",
 }
+# The extra that installs each of our drivers: a plain `pip install sweepd` has neither.
+_EXTRAS = {"postgresql+psycopg": "postgres", "mysql+pymysql": "mysql"}
 
 
 class DatabaseUrlError(UsageError):
@@ -100,11 +108,43 @@ def make_engine(
         }
     elif backend == "sqlite":
         options["connect_args"] = {"timeout": seconds}
-    engine = create_engine(parsed, **options)
+        _check_sqlite_folder(parsed)
+    try:
+        engine = create_engine(parsed, **options)
+    except ImportError as error:  # SQLAlchemy imports the driver here
+        extra = _EXTRAS.get(parsed.drivername)
+        fix = f"pip install 'sweepd[{extra}]'" if extra else "install it"
+        why = (str(error).splitlines() or [""])[0]  # psycopg's lists every attempt, a line each
+        raise DatabaseUrlError(
+            f"the database driver for {parsed.drivername} is not installed ({why}): {fix}"
+        ) from None
     _ping_when_idle(engine, PING_IDLE_SECONDS)
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_on_connect(seconds))
     return engine
+
+
+def _check_sqlite_folder(url: URL) -> None:
+    """Refuse a SQLite file whose folder cannot hold it, naming the path and why.
+
+    SQLite itself says only "unable to open database file", and the migration
+    lock beside the file fails before it. The folder must be writable, not
+    only the file: WAL keeps two more files beside the database.
+    """
+    database = url.database
+    if not database or database == ":memory:" or url.query.get("uri"):
+        return  # in memory, or a URI filename that SQLite resolves itself
+    path = os.path.abspath(database)
+    folder = os.path.dirname(path)
+    if not os.path.exists(folder):
+        wrong = f"the folder {folder} does not exist"
+    elif not os.path.isdir(folder):
+        wrong = f"{folder} is a file, not a folder"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        wrong = f"the folder {folder} is not writable"
+    else:
+        return
+    raise DatabaseFileError(f"database file {path}: {wrong}")
 
 
 # A connection back from the pool after this long is pinged before use.
@@ -232,10 +272,6 @@ def is_duplicate_key(error: DBAPIError) -> bool:
         )
     args: tuple[Any, ...] = getattr(orig, "args", ())
     return bool(args) and args[0] == 1062  # MySQL ER_DUP_ENTRY
-
-
-def backend_of(engine: Engine) -> str:
-    return engine.dialect.name
 
 
 def store_fault(

@@ -16,6 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from sweepd.db import migrate
 from sweepd.db.engine import db_now, make_engine
+from sweepd.errors import DatabaseFileError
 from sweepd.redact import mask_in
 
 SKEW_WARNING_SECONDS = 1.0
@@ -39,7 +40,11 @@ class DatabaseReport:
 
 
 def check_database(url: str) -> DatabaseReport:
-    engine = make_engine(url)
+    try:
+        engine = make_engine(url)
+    except DatabaseFileError as error:
+        # A SQLite file that cannot be made is what this check is for: say where, and why.
+        return DatabaseReport(False, error=str(error))
     try:
         with engine.connect() as connection:
             before = time.time()

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from sweepd.db.engine import make_engine, store_fault
 from sweepd.db.schema import VERSION_TABLE
-from sweepd.errors import SweepdError
+from sweepd.errors import DatabaseFileError, SweepdError
 
 LOCK_WAIT_SECONDS = 120
 _LOCK_NAME = "sweepd.migrate"
@@ -147,7 +147,14 @@ def _sqlite_lock(database: str | None) -> Iterator[None]:
     if not database or database == ":memory:":
         yield  # a private in-memory database has no one to race
         return
-    with open(lock_path(database), "a") as lock:
+    path = lock_path(database)
+    try:
+        lock = open(path, "a")  # noqa: SIM115 (the with below closes it)
+    except OSError as error:
+        # make_engine has checked the folder; what is left (a read-only file,
+        # a folder gone since) still deserves one line naming the file.
+        raise DatabaseFileError(f"migration lock {path}: {error.strerror or error}") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

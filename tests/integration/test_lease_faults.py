@@ -232,7 +232,12 @@ def test_a_refused_connection_is_a_transient_fault(
 
 
 def test_a_sqlite_file_that_cannot_be_opened_raises(tmp_path: Path, rig: Rig) -> None:
-    store = LeaseStore(rig.engine(f"sqlite:///{tmp_path / 'missing' / 'sweepd.db'}"), NAMESPACE)
+    # A folder missing when the engine is made is bad input, refused at once
+    # (tests/system/test_database_input.py); one that goes away later is a fault.
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    store = LeaseStore(rig.engine(f"sqlite:///{folder / 'sweepd.db'}"), NAMESPACE)
+    folder.rmdir()
     rig.store_error(lambda: store.claim(NAME, "a", TTL))
     rig.store_error(lambda: store.renew(NAME, "a", 1, TTL))
     assert store.release(NAME, "a", 1) is False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 from daemon_harness import HERE, read_rows, read_runs, sweep, write_config
 from sqlalchemy import inspect
 
+from sweepd.db import migrate
 from sweepd.db.engine import make_engine
 
 pytestmark = pytest.mark.slow
@@ -65,13 +67,13 @@ def would_fire(log: Path) -> list[dict[str, object]]:
     return [e for e in events if e.get("event") == "tick.would_fire"]
 
 
-def test_migrate_never_refuses_a_missing_schema_naming_the_fix(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'empty.db'}"
+def run_failing(tmp_path: Path, database: dict[str, str], log_format: str) -> tuple[int, str]:
+    """(exit status, stderr) of a `sweepd run` that cannot start, logging in ``log_format``."""
     config = write_config(
         tmp_path / "sweepd.yaml",
-        url,
+        database["url"],
         [sweep("tidy", tmp_path / "runs")],
-        database={"url": url, "migrate": "never"},
+        database=database,
     )
     result = subprocess.run(
         [sys.executable, "-m", "sweepd", "run", "--config", str(config)],
@@ -79,13 +81,24 @@ def test_migrate_never_refuses_a_missing_schema_naming_the_fix(tmp_path: Path) -
         text=True,
         timeout=60,
         check=False,
-        env=sweepd_env(),
+        env={**sweepd_env(), "SWEEPD_LOG_FORMAT": log_format},
     )
-    assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    assert result.stderr.splitlines()[-1] == (
-        "sweepd: the database schema is missing, sweepd needs 0002: run `sweepd db upgrade`"
-    )
+    return result.returncode, result.stderr
+
+
+MISSING_SCHEMA = (
+    f"the database schema is missing, sweepd needs {migrate.head()}: run `sweepd db upgrade`"
+)
+
+
+def test_migrate_never_refuses_a_missing_schema_naming_the_fix(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+
+    status, stderr = run_failing(tmp_path, {"url": url, "migrate": "never"}, "console")
+
+    assert status == 1
+    assert stderr.splitlines()[-1] == f"sweepd: {MISSING_SCHEMA}"
     engine = make_engine(url)
     try:
         assert inspect(engine).get_table_names() == []  # nothing was created behind the refusal
@@ -93,10 +106,41 @@ def test_migrate_never_refuses_a_missing_schema_naming_the_fix(tmp_path: Path) -
         engine.dispose()
 
 
+@pytest.mark.parametrize(
+    ("database", "message"),
+    [
+        pytest.param(
+            {"url": "sqlite:///{tmp}/empty.db", "migrate": "never"}, MISSING_SCHEMA, id="schema"
+        ),
+        pytest.param(
+            # Port 1 refuses at once: the schema upgrade at start fails, a StoreError.
+            {"url": "postgresql://postgres:s3cr3t@127.0.0.1:1/test"},
+            "schema upgrade failed: OperationalError: *",
+            id="store",
+        ),
+    ],
+)
+def test_in_json_logs_the_fatal_error_is_the_last_json_line(
+    tmp_path: Path, database: dict[str, str], message: str
+) -> None:
+    database = {**database, "url": database["url"].format(tmp=tmp_path)}
+
+    status, stderr = run_failing(tmp_path, database, "json")
+
+    events = [json.loads(line) for line in stderr.splitlines()]  # every line, or it fails here
+    assert status == 1
+    assert events[0]["event"] == "daemon.starting"
+    last = events[-1]
+    assert (last["event"], last["level"], last["exit_code"]) == ("daemon.failed", "error", 1)
+    assert fnmatch.fnmatchcase(last["message"], message), last
+    assert "s3cr3t" not in stderr
+
+
 def test_a_bad_config_is_located_lines_and_exit_2(tmp_path: Path) -> None:
     config = tmp_path / "sweepd.yaml"
     config.write_text(
         "sweeps:\n  - name: tidy\n    callable: daemon_sweeps:record\n    every: soon\n"
+        f"    args: {{out: {tmp_path / 'runs'}}}\n"
     )
     result = subprocess.run(
         [sys.executable, "-m", "sweepd", "run", "--config", str(config)],
@@ -104,6 +148,7 @@ def test_a_bad_config_is_located_lines_and_exit_2(tmp_path: Path) -> None:
         text=True,
         timeout=60,
         check=False,
+        env=sweepd_env(),  # daemon_sweeps importable, args that fit: one problem, the duration
     )
     assert result.returncode == 2
     assert result.stdout == ""

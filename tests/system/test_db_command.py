@@ -59,11 +59,11 @@ def environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith("SWEEPD_")}
 
 
-def sweepd(cwd: Path, *args: str) -> Result:
+def sweepd(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Result:
     done = subprocess.run(
         [sys.executable, "-m", "sweepd", *args],
         cwd=cwd,
-        env=environment(),
+        env={**environment(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -179,3 +179,58 @@ def test_sql_refuses_an_unknown_dialect(tmp_path: Path) -> None:
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "oracle" in result.stderr
     assert result.stdout == ""
+
+
+# A server that does not exist: a `db sql` that tried to connect would fail.
+NOWHERE = {
+    "postgresql": "postgresql://app:pw@db.invalid/app",
+    "mysql": "mysql://app:pw@db.invalid/app",
+    "sqlite": "sqlite:///no/such/folder/sweepd.db",
+}
+
+
+@pytest.mark.parametrize("dialect_name", ["postgresql", "mysql", "sqlite"])
+def test_sql_is_for_the_database_given_by_flag_environment_or_config(
+    tmp_path: Path, dialect_name: str
+) -> None:
+    url = NOWHERE[dialect_name]
+    config = tmp_path / "sweepd.yaml"
+    config.write_text(f"database:\n  url: {url}\n")
+    wanted = migrate.sql(dialect_name)
+
+    ways = {
+        "--database": sweepd(tmp_path, "db", "sql", "--database", url),
+        "$SWEEPD_DATABASE_URL": sweepd(tmp_path, "db", "sql", env={"SWEEPD_DATABASE_URL": url}),
+        "--config": sweepd(tmp_path, "db", "sql", "--config", str(config)),
+        "$SWEEPD_CONFIG": sweepd(tmp_path, "db", "sql", env={"SWEEPD_CONFIG": str(config)}),
+    }
+
+    for way, result in ways.items():
+        assert_clean(result)
+        assert (result.returncode, result.stderr) == (0, ""), way
+        assert result.stdout == wanted, way
+
+
+def test_sql_takes_the_database_in_the_usual_order_and_dialect_over_all(tmp_path: Path) -> None:
+    config = tmp_path / "sweepd.yaml"
+    config.write_text(f"database:\n  url: {NOWHERE['sqlite']}\n")
+    env = {"SWEEPD_DATABASE_URL": NOWHERE["mysql"], "SWEEPD_CONFIG": str(config)}
+
+    flag = sweepd(tmp_path, "db", "sql", "--database", NOWHERE["postgresql"], env=env)
+    environment_url = sweepd(tmp_path, "db", "sql", env=env)
+    dialect = sweepd(tmp_path, "db", "sql", "--dialect", "sqlite", "--database", NOWHERE["mysql"])
+
+    assert flag.stdout == migrate.sql("postgresql"), flag.stderr
+    assert environment_url.stdout == migrate.sql("mysql"), environment_url.stderr
+    assert dialect.stdout == migrate.sql("sqlite"), dialect.stderr
+
+
+def test_sql_without_a_dialect_or_a_database_says_what_to_pass(tmp_path: Path) -> None:
+    result = sweepd(tmp_path, "db", "sql")
+
+    assert_clean(result)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1, result.stderr
+    assert "--dialect" in line and "--database" in line and "--config" in line, line

@@ -75,6 +75,11 @@ def test_check_config_prefers_the_flag_database_and_masks_it(
         # click words its own errors differently by version: only their shape is ours.
         (["check-config", "--bogus"], "sweepd check-config: No such option*--bogus*"),
         (["frobnicate"], "sweepd: No such command*frobnicate*"),
+        (
+            ["db", "sql"],
+            "sweepd: no dialect given: pass --dialect postgresql|mysql|sqlite, or the database"
+            " (--database URL, SWEEPD_DATABASE_URL or --config PATH)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
@@ -84,6 +89,7 @@ def test_usage_errors_are_one_line_and_exit_2(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("SWEEPD_CONFIG", raising=False)
+    monkeypatch.delenv("SWEEPD_DATABASE_URL", raising=False)
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

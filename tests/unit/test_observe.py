@@ -123,3 +123,22 @@ def test_a_value_json_cannot_hold_is_written_as_its_repr(stream: Recording) -> N
     line = json.loads("".join(stream.writes))
     assert line["value"] == "{1, 2}"
     assert line["nested"] == {"when": repr(threading.Event)}
+
+
+class Terminal(Recording):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("format", "on_terminal", "json_lines"),
+    [("auto", False, True), ("auto", True, False), ("json", True, True), ("console", False, False)],
+)
+def test_configure_logging_says_whether_its_lines_are_json(
+    stream: Recording, format: str, on_terminal: bool, json_lines: bool
+) -> None:
+    # `sweepd run` writes its fatal error as an event exactly when this is true.
+    # (``stream`` is here for its teardown, which puts logging back as it was.)
+    target = Terminal() if on_terminal else Recording()
+
+    assert configure_logging(format, "info", stream=target) is json_lines  # type: ignore[arg-type]
