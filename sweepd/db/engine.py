@@ -16,6 +16,7 @@ one transaction spelled out is SQLite's batch of claims and run rows
 from __future__ import annotations
 
 import os
+import select
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -152,14 +153,21 @@ PING_IDLE_SECONDS = 1.0
 
 
 def _ping_when_idle(engine: Engine, seconds: float) -> None:
-    """Pre-ping, but only connections that sat idle in the pool.
+    """Pre-ping, but only connections that sat idle in the pool, and drop at
+    no cost those the server has already hung up on.
 
     SQLAlchemy's ``pool_pre_ping`` pings on every checkout, one extra round
     trip per lease statement. A connection used within the last second is
-    not worth it: if the server died in that second the statement fails,
-    the claim says so loudly, and the pool replaces the connection. A
-    connection idle longer (between ticks, after a database restart) is
-    pinged, and a dead one swapped for a new one before the claim sees it.
+    not worth it; a connection idle longer (between ticks) is pinged, and a
+    dead one swapped for a new one before the claim sees it. A server that
+    restarts or shuts down says goodbye on every connection (PostgreSQL's
+    "terminating connection due to administrator command", or just the
+    socket's end), which leaves the idle socket readable: one ``poll`` of it
+    at checkout finds those, however recently used, so the first statement
+    after a restart goes on a new connection instead of failing. What is
+    left is a server that dies without a word in the second since the
+    connection's last use: that statement fails, loudly, and the pool
+    replaces the connection.
     """
 
     def on_checkin(_dbapi_connection: Any, record: Any) -> None:
@@ -167,16 +175,40 @@ def _ping_when_idle(engine: Engine, seconds: float) -> None:
 
     def on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
         idle_since = record.info.get("idle_since")
-        if idle_since is None or time.monotonic() - idle_since <= seconds:
-            return  # just made, or just used
+        if idle_since is None:
+            return  # just made
+        if _hung_up(dbapi_connection):
+            # The pool's own signal: drop this connection, hand out a fresh one.
+            raise DisconnectionError("the server closed this connection while it was pooled")
+        if time.monotonic() - idle_since <= seconds:
+            return  # just used
         try:
             engine.dialect.do_ping(dbapi_connection)
         except Exception as error:
-            # The pool's own signal: drop this connection, hand out a fresh one.
             raise DisconnectionError(str(error)) from error
 
     event.listen(engine, "checkin", on_checkin)
     event.listen(engine, "checkout", on_checkout)
+
+
+def _hung_up(dbapi_connection: Any) -> bool:
+    """Whether the server wrote to, or closed, a connection that nobody is using.
+
+    An idle connection owes the client nothing, so anything to read on it is
+    the server's goodbye. SQLite has no socket: never hung up.
+    """
+    try:
+        if callable(getattr(dbapi_connection, "fileno", None)):  # psycopg
+            fd = int(dbapi_connection.fileno())
+        elif hasattr(dbapi_connection, "_sock"):  # PyMySQL, None once closed
+            fd = dbapi_connection._sock.fileno()
+        else:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except Exception:
+        return True  # the driver already knows it is closed
 
 
 def _sqlite_on_connect(seconds: int) -> Any:

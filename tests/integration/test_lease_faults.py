@@ -267,6 +267,21 @@ def test_a_stopped_server_fails_claims_and_the_pool_recovers_when_it_returns(
     assert store.claim(NAME, "b", TTL) == Won(token=first.token + 1, holder="b", tick=None)
 
 
+@pytest.mark.parametrize("dialect", SERVER_DIALECTS)
+def test_a_connection_the_server_hung_up_on_is_replaced_before_the_next_statement(
+    dialect: str, make_database: MakeDatabase, rig: Rig
+) -> None:
+    # A restart closes every connection with the server's goodbye; the next
+    # statement, even within a second of the last (no ping then), goes through.
+    proxy, proxied = rig.proxy(fresh(make_database, dialect))
+    store = LeaseStore(rig.engine(proxied), NAMESPACE)
+    first = store.claim(NAME, "a", TTL)
+    assert isinstance(first, Won) and store.release(NAME, "a", first.token)
+    proxy.stop()  # closes the pooled connection under the store
+    proxy.start()
+    assert store.claim(NAME, "b", TTL) == Won(token=first.token + 1, holder="b", tick=None)
+
+
 @pytest.mark.slow  # the frozen server costs the client its read timeouts: about 8 s
 @pytest.mark.parametrize(
     "dialect",
