@@ -580,7 +580,7 @@ class _Heartbeat:
         self._timer = clock.call_later(delay, self._start)
 
     def _start(self) -> None:
-        self._task = asyncio.create_task(self._beat())
+        self._task = spawn(self._beat(), name="heartbeat")
 
     async def stop(self) -> None:
         self._timer.cancel()

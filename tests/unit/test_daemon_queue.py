@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine
+from structlog.testing import capture_logs
 
 from sweepd.daemon import WAKE_EARLY, WAKE_WHOLE_UNDER, Daemon, Flight, _Due, first_leg
 from sweepd.db.engine import make_engine
@@ -228,3 +229,17 @@ def test_legs_end_before_the_mark_even_when_each_ends_late() -> None:
         assert remaining > 0
     assert first_leg(remaining) == remaining
     assert legs <= 4
+
+
+def test_daemon_started_counts_the_configs_sweeps_as_check_config_does(engine: Engine) -> None:
+    # Not the internal history sweep, which check-config does not list either.
+    daemon, _ = daemon_for(engine)
+
+    async def scenario() -> None:
+        daemon.stop()
+        await daemon.run()
+
+    with capture_logs() as logs:
+        run(scenario())
+    (started,) = [e for e in logs if e["event"] == "daemon.started"]
+    assert started["sweeps"] == len(daemon.settings.sweeps) == 1
