@@ -42,7 +42,7 @@ def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None 
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             _Stamp(),
-            structlog.processors.dict_tracebacks if not console else structlog.dev.set_exc_info,
+            _JSON_TRACEBACKS if not console else structlog.dev.set_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
@@ -51,6 +51,12 @@ def configure_logging(format: LogFormat, level: LogLevel, stream: TextIO | None 
     )
     return not console
 
+
+# A traceback as JSON frames, without each frame's local variables (structlog's
+# default shows them): a local may hold a database URL with its password.
+_JSON_TRACEBACKS = structlog.processors.ExceptionRenderer(
+    structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+)
 
 # json.dumps with any option set builds a new encoder for every line; this
 # one is built once. Anything JSON cannot hold is written as its repr.

@@ -142,3 +142,20 @@ def test_configure_logging_says_whether_its_lines_are_json(
     target = Terminal() if on_terminal else Recording()
 
     assert configure_logging(format, "info", stream=target) is json_lines  # type: ignore[arg-type]
+
+
+def test_a_json_traceback_shows_frames_but_not_their_local_variables(stream: Recording) -> None:
+    def connect() -> None:
+        url = "postgresql://sweepd:hunter2@db/app"
+        raise RuntimeError(f"cannot reach {url.split('@')[1]}")
+
+    try:
+        connect()
+    except RuntimeError:
+        get_logger().exception("daemon.flight_crashed")
+    flush_logs()
+    (line,) = [json.loads(text) for text in "".join(stream.writes).splitlines()]
+    (exception,) = line["exception"]
+    assert exception["exc_type"] == "RuntimeError"
+    assert [frame["name"] for frame in exception["frames"]][-1] == "connect"
+    assert "hunter2" not in json.dumps(line)
