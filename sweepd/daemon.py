@@ -111,11 +111,26 @@ class Daemon:
         self._wake = asyncio.Event()
         self._stopping = False
         self._reload_requested = False
+        self.last_fired: datetime | None = None  # the latest tick handed to a flight
+        # Told of each change of the daemon's state, on the loop: "started"
+        # (schedules loaded), "reloading", "reloaded" (whether or not the new
+        # file was taken), "draining" and "stopped". systemd's notify protocol
+        # and the readiness probe listen here; a watcher must not block.
+        self.watchers: list[Callable[[str], None]] = []
+
+    def _tell(self, state: str) -> None:
+        for watcher in self.watchers:
+            try:
+                watcher(state)
+            except Exception as error:  # a watcher's bug must not stop the daemon
+                self.log.exception("daemon.watcher_failed", state=state, error=str(error))
 
     # -- control, safe to call from signal handlers and other threads via call_soon ----
 
     def stop(self) -> None:
         """Begin draining; a second call changes nothing."""
+        if not self._stopping:
+            self._tell("draining")
         self._stopping = True
         self.runner.drain()
         self._wake.set()
@@ -142,10 +157,12 @@ class Daemon:
             concurrency=self.settings.concurrency,
             dry_run=self.dry_run,
         )
+        self._tell("started")
         try:
             await self._loop()
         finally:
             await self._drain()
+            self._tell("stopped")
 
     async def _loop(self) -> None:
         while not self._stopping:
@@ -266,6 +283,7 @@ class Daemon:
                 late=round(late.total_seconds(), 3),
             )
         else:
+            self.last_fired = due.tick
             self._enqueue(due.name, due.tick)
         if following is not None:
             self._push(sweep, following, due.generation)
@@ -322,6 +340,14 @@ class Daemon:
     async def _apply_reload(self) -> None:
         if self._reload is None:
             return
+        self._tell("reloading")
+        try:
+            await self._reload_now()
+        finally:
+            self._tell("reloaded")
+
+    async def _reload_now(self) -> None:
+        assert self._reload is not None
         try:
             new = await asyncio.to_thread(self._reload)
         except Exception as error:

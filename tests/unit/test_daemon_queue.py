@@ -243,3 +243,25 @@ def test_daemon_started_counts_the_configs_sweeps_as_check_config_does(engine: E
         run(scenario())
     (started,) = [e for e in logs if e["event"] == "daemon.started"]
     assert started["sweeps"] == len(daemon.settings.sweeps) == 1
+
+
+def test_watchers_hear_start_reload_drain_and_stop_in_order(engine: Engine) -> None:
+    daemon, runner = daemon_for(engine)
+    daemon._reload = lambda: daemon.settings
+    states: list[str] = []
+    daemon.watchers.append(states.append)
+
+    async def scenario() -> None:
+        running = asyncio.ensure_future(daemon.run())
+        await asyncio.sleep(0)
+        daemon.request_reload()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        daemon.stop()
+        daemon.stop()  # a second stop tells nobody again
+        while not running.done():  # the runs the first ticks started end
+            await runner.finish()
+        await running
+
+    run(scenario())
+    assert states == ["started", "reloading", "reloaded", "draining", "stopped"]
