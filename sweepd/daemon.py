@@ -414,6 +414,12 @@ class Daemon:
             if pending:
                 await self._cancel_in_flight(pending)
         await self.runner.settle()
+        if self.runner.unreleased:
+            self.log.warning(
+                "lease.release_failed",
+                count=len(self.runner.unreleased),
+                note="not released at exit; each frees itself at its expiry",
+            )
         if self.runner.unfinished:
             self.log.error(
                 "run.record_failed",

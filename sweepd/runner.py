@@ -309,7 +309,14 @@ class Runner:
         ending: Row | None = None
         if isinstance(opened.started, int):
             ending = (opened.started, name, "cancelled", ORPHANED_ERROR)
-        spawn(self._close(name, token, ending, log), name=f"give-back-{name}")
+        spawn(self._give_back(name, token, ending, log), name=f"give-back-{name}")
+
+    async def _give_back(self, name: str, token: int, ending: Row | None, log: Any) -> None:
+        closed = await self._close(name, token, ending, log)
+        if ending is not None and closed.row_error is not None:
+            log.error("run.record_failed", operation="finish", error=closed.row_error)
+            self.unfinished.append(ending)
+            self._recover()
 
     def _finished(self, ended: Ended, failed: str | None) -> None:
         """Log the attempt's end once its row says so (or could not be made to)."""

@@ -47,19 +47,8 @@ def test_a_replica_that_loses_a_tick_to_another_claims_its_share_of_a_burst(
     migrate.upgrade(url)
     engine = make_engine(url)
 
-    def runner(holder: str) -> Runner:
-        return Runner(
-            LeaseStore(engine, "runner"),
-            History(engine, "runner"),
-            holder,
-            SystemClock(),
-            get_logger(),
-            Counter(),
-            concurrency=200,
-        )
-
     async def scenario() -> tuple[Runner, Runner, str, str]:
-        a, b = runner("a"), runner("b")
+        a, b = runner_on(engine, "a", concurrency=200), runner_on(engine, "b", concurrency=200)
         first = await a.execute(SWEEP, TICK)
         second = await b.execute(SWEEP, TICK)
         return a, b, first, second
@@ -235,3 +224,32 @@ def test_a_release_that_failed_is_retried_as_soon_as_the_database_answers(
     (failed,) = [e for e in logs if e["event"] == "lease.release_failed"]
     assert "lease release" in failed["error"] or "run finish" in failed["error"], failed
     assert [e["released"] for e in logs if e["event"] == "lease.released_late"] == [True]
+
+
+def test_settles_at_once_write_each_late_ending_once(make_database: Callable[[str], str]) -> None:
+    # A probe and a flight's next tick both settle after an outage; the two
+    # used to write the same ending and then both remove it (ValueError).
+    url = make_database("sqlite")
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    history = History(engine, "runner")
+    run_ids = [history.start(f"sweep-{i}", TICK, "a", 1, 1, "schedule") for i in range(3)]
+
+    async def scenario() -> Runner:
+        runner = runner_on(engine)
+        runner.unfinished = [
+            (run_id, f"sweep-{i}", "success", None) for i, run_id in enumerate(run_ids)
+        ]
+        await asyncio.gather(runner.settle(), runner.settle(), runner.settle())
+        return runner
+
+    try:
+        with capture_logs() as logs:
+            runner = asyncio.run(scenario())
+        statuses = [row["status"] for row in rows(engine)]
+    finally:
+        engine.dispose()
+    assert runner.unfinished == []
+    assert statuses == ["success"] * 3
+    assert sorted(e["run_id"] for e in logs if e["event"] == "run.recorded_late") == run_ids
+    assert not [e for e in logs if e["event"] == "daemon.task_crashed"]
