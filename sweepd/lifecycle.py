@@ -1,7 +1,9 @@
 """Signals and the process's life: drain on the first SIGTERM/SIGINT, die on the second.
 
 Handlers only schedule a call on the loop; they never raise and never do
-work. ``serve`` returns the exit status for the CLI to exit with.
+work. ``serve`` returns the exit status for the CLI to exit with. Under
+systemd it also tells the notify socket each change of the daemon's state,
+and pings the watchdog from the loop (``sweepd.notify``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,17 @@ import asyncio
 import gc
 import os
 import signal
+import time
 from types import FrameType
 from typing import Any
 
 from sweepd.daemon import Daemon
+from sweepd.notify import Beat, NotifySocket, watchdog_seconds
 from sweepd.observe import flush_logs
+
+# How often STATUS= is refreshed when no watchdog ping comes sooner: fresh
+# enough for `systemctl status`, and one datagram in 5 s costs the loop nothing.
+STATUS_EVERY = 5.0  # seconds
 
 
 class EarlySignals:
@@ -41,10 +49,80 @@ class EarlySignals:
         return self.received
 
 
+class Systemd:
+    """Tells systemd, through its notify socket, what the daemon is doing (SPEC §8).
+
+    A watcher of the daemon (called on the loop, so it only sends a datagram):
+    READY=1 once the schedules are loaded and again after a reload,
+    RELOADING=1 as one begins, STOPPING=1 at the drain, each with a STATUS=
+    line; and, between "started" and "stopped", a beat that pings the
+    watchdog (when systemd set one) and refreshes STATUS= when it changed.
+    """
+
+    def __init__(self, daemon: Daemon, notify: NotifySocket, watchdog: float | None) -> None:
+        self.daemon = daemon
+        self.notify = notify
+        self.watchdog = watchdog
+        # A ping every half of the watchdog's time, as sd_watchdog_enabled(3)
+        # advises, so that one late ping is not yet a kill.
+        self.beat = Beat(min(watchdog / 2, STATUS_EVERY) if watchdog else STATUS_EVERY, self._beat)
+        self._draining = False
+        self._status = ""
+
+    def __call__(self, state: str) -> None:
+        if state == "started":
+            # A signal that came while the command was starting has begun the
+            # drain already: systemd heard STOPPING=1, and READY=1 would be a lie.
+            if not self._draining:
+                self.notify.send("READY=1", self._status_line())
+            self.beat.start()
+        elif state == "reloading":
+            # systemd 253+ wants the time the reload began on CLOCK_MONOTONIC,
+            # to tell it from a reload begun before its own SIGHUP (Type=notify-reload).
+            usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            self.notify.send("RELOADING=1", f"MONOTONIC_USEC={usec}")
+        elif state == "reloaded":
+            self.notify.send("READY=1", self._status_line())
+        elif state == "draining":
+            self._draining = True
+            self.notify.send("STOPPING=1", self._status_line())
+        elif state == "stopped":
+            self.beat.stop()
+
+    def status(self) -> str:
+        running = len(self.daemon.runner.inflight)
+        if self._draining:
+            return f"draining, {running} running"
+        count = len(self.daemon.settings.sweeps)
+        last = self.daemon.last_fired
+        tick = f"last tick {last:%H:%M:%S} UTC" if last is not None else "no tick yet"
+        return f"{count} sweep{'' if count == 1 else 's'}, {running} running, {tick}"
+
+    def _status_line(self) -> str:
+        self._status = self.status()
+        return f"STATUS={self._status}"
+
+    def _beat(self) -> None:
+        lines = ["WATCHDOG=1"] if self.watchdog else []
+        if self.status() != self._status:
+            lines.append(self._status_line())
+        if lines:
+            self.notify.send(*lines)
+
+
 async def serve(daemon: Daemon, log: Any, early: EarlySignals | None = None) -> int:
     """Run the daemon with signal handlers installed; 0 after a clean drain."""
     loop = asyncio.get_running_loop()
     received: list[int] = []
+    # systemd's own variables, read here once as the daemon starts, not with
+    # the SWEEPD_* ones in sweepd.environment: they are meant for the process
+    # systemd started (WATCHDOG_PID says which), and Environment, which the
+    # CLI reads, does not carry them yet.
+    notify = NotifySocket.from_environ(os.environ, log)
+    systemd: Systemd | None = None
+    if notify is not None:
+        systemd = Systemd(daemon, notify, watchdog_seconds(os.environ, os.getpid()))
+        daemon.watchers.append(systemd)
 
     def on_stop(signum: int) -> None:
         received.append(signum)
@@ -81,4 +159,8 @@ async def serve(daemon: Daemon, log: Any, early: EarlySignals | None = None) -> 
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        if systemd is not None:
+            systemd.beat.stop()  # also when the daemon failed before it said "stopped"
+            daemon.watchers.remove(systemd)
+            systemd.notify.close()
     return 0

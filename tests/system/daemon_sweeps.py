@@ -87,3 +87,11 @@ def stubborn(ctx: SweepContext, out: str, duration: float = 5.0) -> None:
     _write(out, event="start", at=time.time(), **_fields(ctx))
     time.sleep(duration)
     _write(out, event="end", at=time.time(), **_fields(ctx))
+
+
+async def block_loop(ctx: SweepContext, out: str, seconds: float = 1.0) -> None:
+    """Async, and wedges the event loop on purpose for ``seconds``: what a sweep
+    that calls blocking code from an ``async def`` does, for the watchdog test."""
+    _write(out, event="start", at=time.time(), **_fields(ctx))
+    time.sleep(seconds)  # not asyncio.sleep: nothing else on the loop may run meanwhile
+    _write(out, event="end", at=time.time(), **_fields(ctx))
