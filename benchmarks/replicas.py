@@ -7,7 +7,7 @@
 Each run gets a database of its own (a SQLite file in a temporary folder, or a fresh
 ``sweepd_bench_<random>`` database on the server), migrated once by the benchmark and dropped
 at the end. The replicas are ``python -m sweepd run`` processes with a generated config
-(health off, JSON logs at level info, one file per replica); their sweeps call ``tick`` in a
+(health off unless --health, JSON logs at level info, one file per replica); their sweeps call ``tick`` in a
 module written into the temporary folder (on their ``PYTHONPATH``), which appends one line per
 run: sweep, tick, the time the sweep's code started, pid.
 
@@ -411,7 +411,8 @@ def write_config(folder: Path, url: str, args: argparse.Namespace) -> Path:
     config: dict[str, Any] = {
         "database": {"url": url, "migrate": "never"},
         "namespace": NAMESPACE,
-        "health": {"listen": ""},
+        # --health: each replica serves /metrics on a port of its own, as in production.
+        "health": {"listen": "127.0.0.1:0" if args.health else ""},
         "logging": {"format": "json", "level": "info"},
         "drain_timeout": "10s",
         "sweeps": [
@@ -1140,6 +1141,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--concurrency", type=int, help="the config's concurrency (default: sweepd's own)"
     )
     parser.add_argument("--async", dest="run_async", action="store_true", help="an async sweep")
+    parser.add_argument(
+        "--health",
+        action="store_true",
+        help="the replicas serve /healthz, /readyz and /metrics (default: off)",
+    )
     parser.add_argument(
         "--idle",
         action="store_true",

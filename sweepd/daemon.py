@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -27,11 +28,13 @@ from sqlalchemy import Engine
 
 from sweepd.clock import Clock, SystemClock
 from sweepd.durations import format_duration
-from sweepd.errors import StoreError
+from sweepd.errors import StoreError, UsageError
+from sweepd.health import HealthServer, Pulse, Vitals
 from sweepd.history import History
 from sweepd.lease import LeaseStore, make_holder
+from sweepd.metrics import Metrics
 from sweepd.model import Settings, SweepDef
-from sweepd.observe import get_logger
+from sweepd.observe import flush_logs, get_logger
 from sweepd.offload import bounded
 from sweepd.runner import Runner, iso
 from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, ticks_from
@@ -88,6 +91,8 @@ class Daemon:
         self.rng = rng or random.Random()
         self.stats: Counter[str] = Counter()
         self.log = get_logger(holder=self.holder, namespace=settings.namespace)
+        self.metrics = Metrics()
+        self.vitals = Vitals()
         self.runner = Runner(
             LeaseStore(engine, settings.namespace),
             History(engine, settings.namespace),
@@ -96,8 +101,13 @@ class Daemon:
             self.log,
             self.stats,
             settings.concurrency,
+            self.metrics,
         )
         self.flights: dict[str, Flight] = {}
+        self.metrics.count_from(
+            in_flight=lambda: len(self.runner.inflight),
+            queued=lambda: sum(f.waiting is not None for f in list(self.flights.values())),
+        )
         self._retired: list[Flight] = []  # removed by a reload, their last run still going
         self._heap: list[_Due] = []
         self._seq = 0
@@ -132,6 +142,7 @@ class Daemon:
         if not self._stopping:
             self._tell("draining")
         self._stopping = True
+        self.vitals.draining = True
         self.runner.drain()
         self._wake.set()
 
@@ -146,6 +157,35 @@ class Daemon:
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
+        health = self._serve_health()
+        try:
+            await self._run()
+        finally:
+            if health is not None:
+                health[0].stop()
+                health[1].stop()
+
+    def _serve_health(self) -> tuple[Pulse, HealthServer] | None:
+        """Start /healthz, /readyz and /metrics on ``health.listen``, unless it is empty."""
+        listen = self.settings.health_listen
+        if not listen:
+            return None
+        try:
+            server = HealthServer(listen, self.vitals, self.clock, self.metrics)
+        except OSError as error:
+            # Another replica on this host has the port, most likely: one line, exit 2.
+            raise UsageError(
+                f"health.listen {listen}: {error.strerror or error}"
+                " (give each replica on a host its own port, or port 0)"
+            ) from None
+        server.start()
+        pulse = Pulse(self.vitals, self.clock, self.runner.store.now, self.metrics, self.log)
+        pulse.start()
+        self.log.info("health.listening", address=server.listening)
+        flush_logs()  # with port 0 this line is the only way to find the port: now, not later
+        return pulse, server
+
+    async def _run(self) -> None:
         now = self.clock.now()
         for sweep in self._all_sweeps(self.settings):
             self._add(sweep, now, starting=True)
@@ -230,6 +270,7 @@ class Daemon:
             self.flights[sweep.name] = Flight(sweep)
         else:
             flight.sweep = sweep  # the run in flight finishes with the settings it started with
+        self._count_schedule(sweep, now)
         # No catch-up by default: the first tick is the next one from now, so
         # a restart or an edited schedule never causes a surprise run.
         first = next(ticks_from(sweep.schedule, now), None)
@@ -240,6 +281,14 @@ class Daemon:
                 self._enqueue(sweep.name, latest)
         if first is not None:
             self._push(sweep, first, generation)
+
+    def _count_schedule(self, sweep: SweepDef, now: datetime) -> None:
+        """The sweep's stale-after gauge, for an alert on a sweep nobody runs."""
+        upcoming = list(itertools.islice(ticks_from(sweep.schedule, now), 2))
+        if len(upcoming) == 2:
+            interval = upcoming[1] - upcoming[0]
+            stale_after = 2 * interval + sweep.ttl
+            self.metrics.stale_after.labels(sweep.name).set(stale_after.total_seconds())
 
     def _revive(self, name: str) -> Flight | None:
         """The flight of a sweep that a reload removed and this one adds back,
@@ -273,6 +322,7 @@ class Daemon:
                 missed.append(following)
                 following = next_tick(sweep.schedule, following)
             self.stats["skipped.missed"] += len(missed)
+            self.metrics.skips.labels(sweep.name, "missed").inc(len(missed))
             self.log.warning(
                 "tick.skipped",
                 reason="missed",
@@ -316,6 +366,7 @@ class Daemon:
 
     def _skip(self, sweep: SweepDef, tick: datetime, reason: str, **fields: Any) -> None:
         self.stats[f"skipped.{reason}"] += 1
+        self.metrics.skips.labels(sweep.name, reason).inc()
         self.log.info("tick.skipped", reason=reason, sweep=sweep.name, tick=iso(tick), **fields)
 
     async def _fly(self, flight: Flight, tick: datetime | None) -> None:
@@ -366,6 +417,8 @@ class Daemon:
             self._generation[name] = (
                 self._generation.get(name, 0) + 1
             )  # drops its queued fire times
+            with contextlib.suppress(KeyError):  # a removed sweep is stale for nobody
+                self.metrics.stale_after.remove(name)
             flight = self.flights.pop(name, None)
             if flight is not None:
                 flight.removed = True

@@ -29,6 +29,7 @@ from sweepd.durations import format_duration
 from sweepd.errors import StoreError
 from sweepd.history import History, Status, Trigger, describe_error
 from sweepd.lease import LeaseStore, Lost, Won
+from sweepd.metrics import Metrics
 from sweepd.model import SweepDef
 from sweepd.offload import Batcher, bounded
 from sweepd.slots import Peers, Slots
@@ -105,6 +106,7 @@ class Runner:
         log: Any,
         stats: Counter[str],
         concurrency: int = 4,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self.history = history
@@ -112,6 +114,7 @@ class Runner:
         self.clock = clock
         self.log = log
         self.stats = stats
+        self.metrics = metrics or Metrics()
         # False after a lease was lost to an outage: the replica claims nothing
         # new until a probe gets through to the database again.
         self.store_healthy = True
@@ -143,7 +146,7 @@ class Runner:
         """Run ``tick`` of ``sweep`` if this replica wins it; return what happened."""
         log = self.log.bind(sweep=sweep.name, tick=iso(tick), holder=self.holder)
         if not self.store_healthy:
-            return self._skip(log, "store_unavailable")
+            return self._skip(sweep.name, log, "store_unavailable")
         if self.unfinished or self.unreleased:
             await self.settle()
         try:
@@ -152,6 +155,7 @@ class Runner:
             # Loud: every replica failing here is a sweep that silently stopped.
             self.stats["lease_errors"] += 1
             self.stats["ticks_failed"] += 1
+            self.metrics.store_errors.labels("claim").inc()
             log.error("lease.error", operation="claim", error=str(error), transient=error.transient)
             return "lease_error"
         if opened is None:
@@ -160,6 +164,7 @@ class Runner:
             if opened.claim.holder is not None and opened.claim.holder != self.holder:
                 self.peers.seen(opened.claim.holder)
             return self._skip(
+                sweep.name,
                 log,
                 opened.claim.reason,
                 held_by=opened.claim.holder,
@@ -199,9 +204,12 @@ class Runner:
         # The first attempt's start: its run.started says nothing more, so it is
         # a debug line, one fewer per run (a retry's start is news: info).
         run_id = started if isinstance(started, int) else None  # None: its row failed
-        log.info("tick.claimed", lateness=self._lateness(tick), trigger=trigger, run_id=run_id)
+        lateness = self._lateness(tick)
+        if lateness is not None:
+            self.metrics.tick_lateness.labels(sweep.name).observe(max(0.0, lateness))
+        log.info("tick.claimed", lateness=lateness, trigger=trigger, run_id=run_id)
         if opened.lost_error is not None:
-            log.error("run.record_failed", operation="mark lost", error=opened.lost_error)
+            self._record_failed(log, "mark lost", opened.lost_error)
         elif opened.lost_runs:
             self.stats["runs.lost"] += opened.lost_runs
             log.warning("run.marked_lost", count=opened.lost_runs)
@@ -287,6 +295,7 @@ class Runner:
         except StoreError as error:
             closed = Closed(None if ending is None else str(error), False, str(error))
         if closed.release_error is not None:
+            self.metrics.store_errors.labels("release").inc()
             # Until it is freed, this sweep's next tick is blocked on every
             # replica; waiting out the ttl would cost ticks once the database is back.
             self.unreleased[name] = token
@@ -314,16 +323,14 @@ class Runner:
     async def _give_back(self, name: str, token: int, ending: Row | None, log: Any) -> None:
         closed = await self._close(name, token, ending, log)
         if ending is not None and closed.row_error is not None:
-            log.error("run.record_failed", operation="finish", error=closed.row_error)
+            self._record_failed(log, "finish", closed.row_error)
             self.unfinished.append(ending)
             self._recover()
 
     def _finished(self, ended: Ended, failed: str | None) -> None:
         """Log the attempt's end once its row says so (or could not be made to)."""
         if failed is not None:
-            ended.log.error(
-                "run.record_failed", operation="finish", status=ended.status, error=failed
-            )
+            self._record_failed(ended.log, "finish", failed, status=ended.status)
             self.unfinished.append(ended.row())
             self._recover()
         fields: dict[str, Any] = {"status": ended.status, "duration": ended.duration}
@@ -334,8 +341,9 @@ class Runner:
             fields["exception"] = format_traceback(ended.error)
         ended.log.error("run.finished", **fields, error=ended.message)
 
-    def _skip(self, log: Any, reason: str, **fields: Any) -> str:
+    def _skip(self, name: str, log: Any, reason: str, **fields: Any) -> str:
         self.stats[f"skipped.{reason}"] += 1
+        self.metrics.skips.labels(name, reason).inc()
         # Losing to another replica is the system working: quiet. The rest is
         # news, and a replica whose clock runs ahead of the database is a fault.
         if reason in ("lease_held", "already_run"):
@@ -350,6 +358,19 @@ class Runner:
         else:
             log.warning("tick.skipped", reason=reason, **fields)
         return reason
+
+    def _record_failed(self, log: Any, operation: str, error: str, **fields: Any) -> None:
+        """A run row that could not be written: loud, and counted as the store's error."""
+        self.metrics.store_errors.labels(operation).inc()
+        log.error("run.record_failed", operation=operation, error=error, **fields)
+
+    def _count_run(self, name: str, status: Status, duration: float) -> None:
+        metrics, ended = self.metrics, self.clock.now().timestamp()
+        metrics.runs.labels(name, status).inc()
+        metrics.run_duration.labels(name).observe(duration)
+        metrics.last_run.labels(name).set(ended)
+        if status == "success":
+            metrics.last_success.labels(name).set(ended)
 
     def _lateness(self, tick: datetime | None) -> float | None:
         return None if tick is None else round((self.clock.now() - tick).total_seconds(), 6)
@@ -370,7 +391,7 @@ class Runner:
             # No row, no run: a run nobody can account for is worse than a
             # loudly failed tick.
             self.stats["ticks_failed"] += 1
-            log.error("run.record_failed", operation="start", error=started, attempt=ctx.attempt)
+            self._record_failed(log, "start", started, attempt=ctx.attempt)
             return None
         run_id = started
         log = log.bind(run_id=run_id, attempt=ctx.attempt)
@@ -385,6 +406,7 @@ class Runner:
             self.inflight.pop(sweep.name, None)
         self.stats[f"runs.{status}"] += 1
         duration = round(self.clock.monotonic() - began, 6)
+        self._count_run(sweep.name, status, duration)
         return Ended(run_id, sweep.name, status, message, duration, log, error)
 
     async def _call(self, attempt: Attempt) -> tuple[Status, str | None, BaseException | None]:
@@ -448,7 +470,7 @@ class Runner:
             )
         except StoreError as error:
             # The close writes it when the thread returns, or a settle after that.
-            attempt.ctx.logger.error("run.record_failed", operation="timeout", error=str(error))
+            self._record_failed(attempt.ctx.logger, "timeout", str(error))
 
     def stop(self, name: str, reason: CancelReason) -> Attempt | None:
         """Tell the in-flight run of ``name`` to stop; an async run is cancelled."""
@@ -481,6 +503,7 @@ class Runner:
                 )
             except StoreError as error:
                 self.stats["lease_errors"] += 1
+                self.metrics.store_errors.labels("renew").inc()
                 log.error(
                     "lease.error", operation="renew", error=str(error), transient=error.transient
                 )
@@ -500,6 +523,7 @@ class Runner:
 
     def _lose(self, sweep: SweepDef, log: Any, why: str) -> None:
         self.stats["leases_lost"] += 1
+        self.metrics.lease_losses.labels(sweep.name).inc()
         log.error("lease.lost", reason=why)
         self.stop(sweep.name, "lost")
 

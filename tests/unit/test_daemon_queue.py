@@ -86,7 +86,10 @@ def daemon_for(
         coalesce=coalesce,
     )
     settings = Settings(
-        path="c.yaml", database=Database("sqlite://", explicit=True), sweeps=(sweep,)
+        path="c.yaml",
+        database=Database("sqlite://", explicit=True),
+        sweeps=(sweep,),
+        health_listen="",  # the HTTP side is tests/system/test_health.py's
     )
     daemon = Daemon(settings, engine, clock=FakeClock())
     runner = HeldRunner()
