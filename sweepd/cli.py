@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 import click
 from sqlalchemy.exc import SQLAlchemyError
@@ -21,6 +21,7 @@ from sweepd.config import Overrides, load_database, load_settings
 from sweepd.durations import parse_duration
 from sweepd.environment import Environment, read_environment
 from sweepd.errors import ConfigError, ExitCode, SweepdError, UsageError
+from sweepd.history import Status
 from sweepd.model import LogFormat, LogLevel, Settings
 from sweepd.plan import describe, render_text
 from sweepd.redact import mask_text, mask_url
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # imported where used, so a command loads only what it needs
     from sqlalchemy import Engine
 
     from sweepd.lifecycle import EarlySignals
+    from sweepd.model import SweepDef
 
 
 def _settings(environment: Environment, config: str | None, database: str | None) -> Settings:
@@ -58,6 +60,9 @@ database_option = click.option(
     metavar="URL",
     help="Database URL (default: $SWEEPD_DATABASE_URL, then the config).",
 )
+format_option = click.option(
+    "--format", "output", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,9 +74,7 @@ def cli() -> None:
 @cli.command("check-config")
 @config_option
 @database_option
-@click.option(
-    "--format", "output", type=click.Choice(["text", "json"]), default="text", show_default=True
-)
+@format_option
 @click.option("--no-db", is_flag=True, help="Do not connect to the database.")
 @click.option(
     "--from",
@@ -429,6 +432,205 @@ def lock(
             err=True,
         )
     return skip_exit
+
+
+@cli.command("status")
+@config_option
+@database_option
+@format_option
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Print only the problems, one a line, and exit 1 if any sweep is stale or has gaps.",
+)
+@click.option(
+    "--window",
+    metavar="DURATION",
+    help="Look for gaps this far back only (default: history.keep).",
+)
+@click.pass_obj
+def status(
+    environment: Environment,
+    config: str | None,
+    database: str | None,
+    output: str,
+    check: bool,
+    window: str | None,
+) -> int:
+    """Each sweep's lease, last run, last success and next tick; STALE and gaps."""
+    from sweepd.db import migrate
+    from sweepd.db.engine import make_engine
+    from sweepd.status import as_json, read
+    from sweepd.status import render_text as render_status
+
+    span = _duration(window, "--window") if window is not None else None
+    settings = _settings(environment, config, database)
+    engine = make_engine(settings.database.url)
+    try:
+        migrate.require_current(engine)
+        report = read(engine, settings, span)
+    finally:
+        engine.dispose()
+    problems = report.problems()
+    if output == "json":
+        click.echo(json.dumps(as_json(report, settings.database.url), indent=2))
+    elif not check:
+        click.echo(render_status(report, settings.database.url))
+    elif problems:
+        for problem in problems:
+            click.echo(problem)
+    else:
+        click.echo(f"ok: {len(report.sweeps)} sweeps, none stale, no gaps")
+    return ExitCode.FAILED if check and problems else ExitCode.OK
+
+
+@cli.command("history")
+@click.argument("name", required=False)
+@click.option(
+    "--limit", default=20, show_default=True, type=click.IntRange(min=1), help="Rows shown at most."
+)
+@click.option(
+    "--status", "status_", type=click.Choice(get_args(Status)), help="Only runs in this status."
+)
+@click.option("--since", metavar="DURATION", help="Only runs started within this long ago.")
+@config_option
+@database_option
+@format_option
+@click.pass_obj
+def history(
+    environment: Environment,
+    name: str | None,
+    limit: int,
+    status_: Status | None,
+    since: str | None,
+    config: str | None,
+    database: str | None,
+    output: str,
+) -> int:
+    """The recorded runs, newest first: of sweep NAME, or of all."""
+    from sweepd.db import migrate
+    from sweepd.db.engine import make_engine
+    from sweepd.history import History
+    from sweepd.status import render_runs, runs_json
+
+    within = _duration(since, "--since") if since is not None else None
+    url, namespace, _migrate = _database_url(environment, config, database)
+    engine = make_engine(url)
+    try:
+        migrate.require_current(engine)
+        rows = History(engine, namespace).runs(name, limit, status=status_, since=within)
+    finally:
+        engine.dispose()
+    if output == "json":
+        click.echo(json.dumps(runs_json(namespace, rows), indent=2))
+    else:
+        click.echo(render_runs(rows) if rows else "no runs found")
+    return ExitCode.OK
+
+
+@cli.command("trigger")
+@click.argument("name")
+@config_option
+@database_option
+@format_option
+@click.pass_obj
+def trigger(
+    environment: Environment, name: str, config: str | None, database: str | None, output: str
+) -> int:
+    """Run sweep NAME once, now, in this process, under its lease.
+
+    The run is recorded trigger=manual and records no tick in the lease, so the
+    next scheduled tick is neither blocked nor moved. Exit 0 on success; 1 if
+    the run failed or timed out, or another holder has the lease. SIGINT or
+    SIGTERM asks the run to stop (recorded cancelled); a second one ends it.
+    """
+    from sweepd.db.engine import make_engine
+    from sweepd.observe import configure_logging, flush_logs
+
+    settings = _settings(environment, config, database)
+    sweep = settings.sweep(name)
+    if sweep is None:
+        known = ", ".join(sorted(s.name for s in settings.sweeps)) or "none"
+        raise UsageError(f"trigger: unknown sweep {name!r} (known: {known})")
+    engine = make_engine(settings.database.url)
+    try:
+        configure_logging(settings.log_format, settings.log_level)
+        outcome, held = _run_once(settings, engine, sweep)
+    finally:
+        flush_logs()  # the run's lines before the outcome's
+        engine.dispose()
+    result: dict[str, Any] = {"sweep": name, "outcome": outcome}
+    if held is not None:
+        result.update(held_by=held[0], expires_at=_iso(held[1]))
+        click.echo(
+            f"sweepd trigger: {name}: held by {held[0]} until {_iso(held[1])}; not running",
+            err=True,
+        )
+    elif outcome != "success":
+        click.echo(f"sweepd trigger: {name}: {outcome}", err=True)
+    if output == "json":
+        click.echo(json.dumps(result))
+    elif outcome == "success":
+        click.echo(f"{name}: success")
+    return ExitCode.OK if outcome == "success" else ExitCode.FAILED
+
+
+def _run_once(
+    settings: Settings, engine: Engine, sweep: SweepDef
+) -> tuple[str, tuple[str, datetime] | None]:
+    """The outcome of one manual run by the daemon's own Runner, and who held the
+    lease (holder, expiry) when it was held."""
+    import asyncio
+    import signal
+    from collections import Counter
+
+    from sweepd.clock import SystemClock
+    from sweepd.db import migrate
+    from sweepd.history import History
+    from sweepd.lease import LeaseStore, make_holder
+    from sweepd.observe import get_logger
+    from sweepd.runner import Runner
+
+    if settings.database.migrate == "auto":
+        migrate.upgrade(settings.database.url)
+    migrate.require_current(engine)
+    store = LeaseStore(engine, settings.namespace)
+    holder = make_holder()
+    log = get_logger(holder=holder, namespace=settings.namespace)
+    runner = Runner(
+        store,
+        History(engine, settings.namespace),
+        holder,
+        SystemClock(),
+        log,
+        Counter(),
+        concurrency=1,
+    )
+
+    async def once() -> str:
+        loop = asyncio.get_running_loop()
+
+        def interrupt() -> None:
+            # The first signal stops the run as a drain's deadline does: recorded
+            # cancelled, its lease released. A second one is not caught.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+            runner.drain()
+            runner.stop(sweep.name, "cancelled")
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, interrupt)
+        outcome = await runner.execute(sweep, None, trigger="manual")
+        if runner.unfinished or runner.unreleased:
+            await runner.settle()  # a row or a release the database refused at the end
+        return outcome
+
+    outcome = asyncio.run(once())
+    if outcome != "lease_held":
+        return outcome, None
+    # Read after the fact: the holder may have let go since, but it held the lease then.
+    row = store.read(sweep.name)
+    return outcome, None if row is None else (row.holder, row.expires_at)
 
 
 def _log_format(value: str | None) -> LogFormat:

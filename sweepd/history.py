@@ -269,14 +269,28 @@ class History:
         except SQLAlchemyError as error:
             raise store_fault("history prune", None, self.engine, error) from error
 
-    def runs(self, name: str | None = None, limit: int = 50) -> list[RunRow]:
+    def runs(
+        self,
+        name: str | None = None,
+        limit: int = 50,
+        *,
+        status: Status | None = None,
+        since: timedelta | None = None,
+    ) -> list[RunRow]:
+        """The newest rows first: of one sweep, in one status, started within ``since``
+        (by the database's clock), as asked."""
         c = sweep_runs.c
         query = select(sweep_runs).where(c.namespace == self.namespace)
         if name is not None:
             query = query.where(c.name == name)
+        if status is not None:
+            query = query.where(c.status == status)
         query = query.order_by(c.started_at.desc(), c.id.desc()).limit(limit)
         try:
             with self.engine.connect() as connection:
+                if since is not None:
+                    cutoff = connection.execute(select(db_now())).scalar_one() - since
+                    query = query.where(c.started_at >= cutoff)
                 return [RunRow(**row._mapping) for row in connection.execute(query)]
         except SQLAlchemyError as error:
             raise store_fault("history read", name or "-", self.engine, error) from error

@@ -22,7 +22,8 @@ def _iso(instant: datetime) -> str:
     return instant.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _schedule(sweep: SweepDef) -> dict[str, Any]:
+def schedule_data(sweep: SweepDef) -> dict[str, Any]:
+    """A sweep's schedule as check-config's JSON shows it (``status`` shows it the same way)."""
     schedule = sweep.schedule
     if isinstance(schedule, Every):
         return {
@@ -32,6 +33,14 @@ def _schedule(sweep: SweepDef) -> dict[str, Any]:
             "timezone": "UTC",
         }
     return {"kind": "cron", "cron": schedule.expression, "timezone": schedule.timezone}
+
+
+def schedule_text(schedule: dict[str, Any]) -> str:
+    """``schedule_data`` in one phrase: ``every 30s`` or ``cron '30 2 * * *' Europe/Berlin``."""
+    if schedule["kind"] == "every":
+        anchor = f" from {schedule['anchor']}" if schedule["anchor"] else ""
+        return f"every {schedule['every']}{anchor}"
+    return f"cron '{schedule['cron']}' {schedule['timezone']}"
 
 
 def _next_ticks(sweep: SweepDef, start: datetime, count: int) -> list[dict[str, str]]:
@@ -61,7 +70,7 @@ def describe(
                 "source": sweep.source,
                 "callable": sweep.target,
                 "enabled": sweep.enabled,
-                "schedule": _schedule(sweep),
+                "schedule": schedule_data(sweep),
                 "ttl": format_duration(sweep.ttl),
                 "timeout": None if sweep.timeout is None else format_duration(sweep.timeout),
                 "misfire_grace": format_duration(sweep.misfire_grace),
@@ -93,12 +102,7 @@ def render_text(report: dict[str, Any]) -> str:
     ]
     for sweep in report["sweeps"]:
         schedule = sweep["schedule"]
-        if schedule["kind"] == "every":
-            when = f"every {schedule['every']}" + (
-                f" from {schedule['anchor']}" if schedule["anchor"] else ""
-            )
-        else:
-            when = f"cron '{schedule['cron']}' {schedule['timezone']}"
+        when = schedule_text(schedule)
         state = "" if sweep["enabled"] else "  DISABLED"
         lines += [
             "",

@@ -80,6 +80,32 @@ def test_check_config_prefers_the_flag_database_and_masks_it(
             "sweepd: no dialect given: pass --dialect postgresql|mysql|sqlite, or the database"
             " (--database URL, SWEEPD_DATABASE_URL or --config PATH)",
         ),
+        (["status"], "sweepd: no config given: pass --config PATH or set SWEEPD_CONFIG"),
+        (
+            ["status", "--config", EXAMPLE, "--window", "5x"],
+            "sweepd: --window: invalid duration '5x' (expected e.g. 500ms, 30s, 5m, 1h30m, 1d)",
+        ),
+        (["status", "--config", EXAMPLE, "--format", "yaml"], "sweepd status: Invalid value*"),
+        (
+            ["history"],
+            "sweepd: no database given: pass --database URL, set SWEEPD_DATABASE_URL, or name a config with --config",
+        ),
+        # Checked before the database is opened.
+        (
+            ["history", "--database", "sqlite:///unused.db", "--since", "soon"],
+            "sweepd: --since: invalid duration 'soon' (expected e.g. 500ms, 30s, 5m, 1h30m, 1d)",
+        ),
+        (
+            ["history", "--database", "sqlite:///unused.db", "--since", "0s"],
+            "sweepd: --since: must be longer than zero",
+        ),
+        (["history", "--status", "done"], "sweepd history: Invalid value for '--status': *"),
+        (["history", "--limit", "0"], "sweepd history: Invalid value for '--limit': *"),
+        (
+            ["trigger", "nope", "--config", EXAMPLE],
+            "sweepd: trigger: unknown sweep 'nope' (known: heartbeat, nightly-report, purge-sessions, reconcile)",
+        ),
+        (["trigger", "--config", EXAMPLE], "sweepd trigger: Missing argument 'NAME'*"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
