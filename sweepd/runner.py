@@ -206,7 +206,7 @@ class Runner:
         run_id = started if isinstance(started, int) else None  # None: its row failed
         lateness = self._lateness(tick)
         if lateness is not None:
-            self.metrics.tick_lateness.labels(sweep.name).observe(max(0.0, lateness))
+            self.metrics.of(sweep.name).lateness.observe(max(0.0, lateness))
         log.info("tick.claimed", lateness=lateness, trigger=trigger, run_id=run_id)
         if opened.lost_error is not None:
             self._record_failed(log, "mark lost", opened.lost_error)
@@ -365,12 +365,7 @@ class Runner:
         log.error("run.record_failed", operation=operation, error=error, **fields)
 
     def _count_run(self, name: str, status: Status, duration: float) -> None:
-        metrics, ended = self.metrics, self.clock.now().timestamp()
-        metrics.runs.labels(name, status).inc()
-        metrics.run_duration.labels(name).observe(duration)
-        metrics.last_run.labels(name).set(ended)
-        if status == "success":
-            metrics.last_success.labels(name).set(ended)
+        self.metrics.of(name).ended(status, duration, self.clock.now().timestamp())
 
     def _lateness(self, tick: datetime | None) -> float | None:
         return None if tick is None else round((self.clock.now() - tick).total_seconds(), 6)

@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -171,17 +172,23 @@ def test_metrics_count_what_really_happened_and_pass_promtool(
 ) -> None:
     promtool = promtool_or_skip()
     out = tmp_path / "runs.jsonl"
+
+    def once(name: str, **settings: Any) -> dict[str, Any]:
+        # Hourly, with the last tick caught up at start: each runs its one tick, and then
+        # nothing moves while the test reads the counters.
+        return {**sweep(name, out, every="1h", **settings), "catch_up": "latest"}
+
     sweeps = [
-        sweep("ok", out),
-        sweep("broken", out, args={"fail_times": 99}),
-        sweep("slow", out, timeout="200ms", args={"duration": 0.5}),
+        once("ok"),
+        once("broken", args={"fail_times": 99}),
+        once("slow", timeout="200ms", args={"duration": 0.5}),
+        once("retried", retries={"max": 1, "backoff": "0s"}, args={"fail_times": 1}),
     ]
     (replica,) = cluster.start(health_config(tmp_path, cluster.url, sweeps))
     base = address(replica)
-    replica.wait_for(
-        lambda e: e.get("event") == "run.finished" and e.get("status") == "timeout",
-        timeout=TIMEOUT,
-    )
+    within(lambda: len(read_rows(cluster.url)) == 5 and get(base, "/readyz")[0] == 200)
+    # Every row is finished, and its run.finished said so: the counters have moved too.
+    within(lambda: sum(e.get("event") == "run.finished" for e in replica.events()) == 5)
     text = get(base, "/metrics")[1]
     replica.signal(signal.SIGTERM)
     assert replica.wait(TIMEOUT) == 0
@@ -192,22 +199,30 @@ def test_metrics_count_what_really_happened_and_pass_promtool(
     assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
 
     samples = metric_samples(text)
-    # The rows written by the time of the scrape are at least what the counters say, and
-    # the counters at least what the log said had ended before it.
-    rows = read_rows(cluster.url)
-    ended = {
-        (e["sweep"], e["status"]) for e in replica.events() if e.get("event") == "run.finished"
+    outcomes = Counter((r["name"], r["status"]) for r in read_rows(cluster.url))
+    assert outcomes == {
+        ("ok", "success"): 1,
+        ("broken", "failed"): 1,
+        ("slow", "timeout"): 1,
+        ("retried", "failed"): 1,
+        ("retried", "success"): 1,
     }
-    for name, status in [("ok", "success"), ("broken", "failed"), ("slow", "timeout")]:
-        counted = samples[("sweepd_runs_total", (("status", status), ("sweep", name)))]
-        recorded = sum(r["name"] == name and r["status"] == status for r in rows)
-        assert (name, status) in ended
-        assert 1 <= counted <= recorded, (name, status, counted, recorded)
-        durations = samples[("sweepd_run_duration_seconds_count", (("sweep", name),))]
-        assert durations >= counted
+    counted = {
+        (dict(labels)["sweep"], dict(labels)["status"]): value
+        for (name, labels), value in samples.items()
+        if name == "sweepd_runs_total"
+    }
+    assert counted == outcomes  # one per attempt, by what its row says
+    for name in ("ok", "broken", "slow", "retried"):
+        attempts = sum(n for (sweep_name, _), n in outcomes.items() if sweep_name == name)
+        assert samples[("sweepd_run_duration_seconds_count", (("sweep", name),))] == attempts
+        assert samples[("sweepd_tick_lateness_seconds_count", (("sweep", name),))] == 1
+        assert samples[("sweepd_sweep_stale_after_seconds", (("sweep", name),))] == 7230
     assert samples[("sweepd_last_success_timestamp_seconds", (("sweep", "ok"),))] > 0
     assert ("sweepd_last_success_timestamp_seconds", (("sweep", "broken"),)) not in samples
-    assert samples[("sweepd_sweep_stale_after_seconds", (("sweep", "ok"),))] == 2 * 1 + 30
+    assert not [key for key in samples if key[0] == "sweepd_ticks_skipped_total"]
+    assert not [key for key in samples if key[0] == "sweepd_store_errors_total"]
+    assert samples[("sweepd_runs_in_flight", ())] == 0
     assert samples[("sweepd_build_info", (("version", "0.1.0"),))] == 1
     assert samples[("sweepd_ready", ())] == 1
     assert abs(samples[("sweepd_clock_skew_seconds", ())]) < 1.0
