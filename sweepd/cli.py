@@ -229,7 +229,7 @@ def _serve(
         return load_settings(settings.path, environment, Overrides(database_url=database))
 
     daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
-    return asyncio.run(serve(daemon, log, early))
+    return asyncio.run(serve(daemon, log, early, environment.systemd))
 
 
 def _database_url(

@@ -10,7 +10,11 @@ variable does is in the README's table of them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# systemd's own variables for the process it started (sd_notify(3)), taken with
+# the others so that nothing else reads os.environ either.
+SYSTEMD_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class Environment:
     log_format: str | None = None
     log_level: str | None = None
     env: str | None = None
+    systemd: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def production(self) -> bool:
@@ -29,7 +34,7 @@ class Environment:
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:
-    """Take every SWEEPD_* value at this one moment; empty counts as unset."""
+    """Take every SWEEPD_* value, and systemd's, at this one moment; empty counts as unset."""
 
     def get(name: str) -> str | None:
         value = environ.get(name)
@@ -43,4 +48,5 @@ def read_environment(environ: Mapping[str, str]) -> Environment:
         log_format=get("SWEEPD_LOG_FORMAT"),
         log_level=get("SWEEPD_LOG_LEVEL"),
         env=get("SWEEPD_ENV"),
+        systemd={name: environ[name] for name in SYSTEMD_VARIABLES if environ.get(name)},
     )

@@ -13,6 +13,7 @@ import gc
 import os
 import signal
 import time
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
@@ -110,18 +111,24 @@ class Systemd:
             self.notify.send(*lines)
 
 
-async def serve(daemon: Daemon, log: Any, early: EarlySignals | None = None) -> int:
-    """Run the daemon with signal handlers installed; 0 after a clean drain."""
+async def serve(
+    daemon: Daemon,
+    log: Any,
+    early: EarlySignals | None = None,
+    systemd_environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run the daemon with signal handlers installed; 0 after a clean drain.
+
+    ``systemd_environ``: systemd's variables as the command read them
+    (``Environment.systemd``); without NOTIFY_SOCKET nothing is sent.
+    """
     loop = asyncio.get_running_loop()
     received: list[int] = []
-    # systemd's own variables, read here once as the daemon starts, not with
-    # the SWEEPD_* ones in sweepd.environment: they are meant for the process
-    # systemd started (WATCHDOG_PID says which), and Environment, which the
-    # CLI reads, does not carry them yet.
-    notify = NotifySocket.from_environ(os.environ, log)
+    environ = systemd_environ or {}
+    notify = NotifySocket.from_environ(environ, log)
     systemd: Systemd | None = None
     if notify is not None:
-        systemd = Systemd(daemon, notify, watchdog_seconds(os.environ, os.getpid()))
+        systemd = Systemd(daemon, notify, watchdog_seconds(environ, os.getpid()))
         daemon.watchers.append(systemd)
 
     def on_stop(signum: int) -> None:

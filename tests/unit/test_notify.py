@@ -28,6 +28,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from sweepd.daemon import Daemon
+from sweepd.environment import read_environment
 from sweepd.lifecycle import serve
 from sweepd.notify import Beat, NotifySocket, watchdog_seconds
 from sweepd.observe import get_logger
@@ -219,7 +220,9 @@ class Walker:
 
 def run_serve(daemon: Walker) -> int:
     try:
-        return asyncio.run(serve(cast(Daemon, daemon), get_logger()))
+        # systemd's variables as the command reads them, with the rest of the environment.
+        systemd = read_environment(os.environ).systemd
+        return asyncio.run(serve(cast(Daemon, daemon), get_logger(), systemd_environ=systemd))
     finally:
         gc.unfreeze()
 
@@ -290,3 +293,10 @@ def test_a_daemon_stopped_before_it_started_is_never_ready(
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     assert run_serve(EarlyStop()) == 0
     assert received(receiver) == ["STOPPING=1\nSTATUS=draining, 0 running"]
+
+
+def test_systemds_variables_are_read_with_the_others_and_only_those() -> None:
+    environment = read_environment(
+        {"NOTIFY_SOCKET": "@sd", "WATCHDOG_USEC": "400000", "WATCHDOG_PID": "", "HOME": "/root"}
+    )
+    assert environment.systemd == {"NOTIFY_SOCKET": "@sd", "WATCHDOG_USEC": "400000"}
