@@ -64,7 +64,10 @@ class Pulse:
         self.log = log
         self._timer: Timer | None = None
         self._checked_at: float | None = None
-        self._checking = False
+        # True from a check's start until its thread returns, which on a hung
+        # database is long after the check gave up: a check a pulse, each
+        # stuck on a thread, would take the threads the claims need.
+        self._asking = False
         self._unreachable = False
 
     def start(self) -> None:
@@ -79,24 +82,29 @@ class Pulse:
         now = self.clock.monotonic()
         self.vitals.turned_at = now
         due = self._checked_at is None or now - self._checked_at >= CHECK_SECONDS
-        if due and not self._checking:
+        if due and not self._asking:
             self._checked_at = now
-            self._checking = True
+            self._asking = True
             spawn(self._check(), name="health-check")
         self._timer = self.clock.call_later(PULSE_SECONDS, self._beat)
+
+    def _ask(self) -> Any:
+        """The database's clock, on a worker thread."""
+        try:
+            return self.database_now()
+        finally:
+            self._asking = False
 
     async def _check(self) -> None:
         try:
             before = self.clock.now()
-            database = await bounded(self.database_now, timeout=CHECK_SECONDS)
+            database = await bounded(self._ask, timeout=CHECK_SECONDS)
             after = self.clock.now()
         except StoreError as error:
             if not self._unreachable:
                 self.log.warning("health.database_unreachable", error=str(error))
             self._unreachable = True
             return
-        finally:
-            self._checking = False
         if self._unreachable:
             self.log.info("health.database_reachable")
         self._unreachable = False

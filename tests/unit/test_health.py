@@ -4,6 +4,7 @@ what each endpoint answers from it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from datetime import timedelta
 
 from manual_clock import T0, ManualClock, settle
@@ -115,3 +116,27 @@ def test_each_endpoint_answers_from_the_vitals_alone() -> None:
     finally:
         server.stop()
     assert clock.now() == T0
+
+
+def test_a_check_stuck_on_a_hung_database_is_not_joined_by_another() -> None:
+    clock = ManualClock()
+    vitals = Vitals()
+    release = threading.Event()
+    asked: list[int] = []
+
+    def hung() -> object:
+        asked.append(1)
+        release.wait(10)
+        return clock.now()
+
+    async def scenario() -> None:
+        pulse = Pulse(vitals, clock, hung, Metrics(), get_logger())
+        pulse.start()
+        for _ in range(4):  # pulses past several checks' times
+            await clock.advance(CHECK_SECONDS)
+        pulse.stop()
+        release.set()
+
+    asyncio.run(scenario())
+    assert asked == [1]
+    assert vitals.answered_at is None
