@@ -159,7 +159,7 @@ async def serve(
     # What is loaded by now (the config, the sweeps' modules, SQLAlchemy and
     # the drivers) lives as long as the process. Frozen, it is out of the
     # cyclic collector's way: a full collection, which lands in a burst of
-    # ticks as often as not, walks only what came after (docs/performance.md).
+    # ticks as often as not, walks only what came after (its commit has the figures).
     gc.freeze()
     try:
         await daemon.run()

@@ -103,7 +103,7 @@ class _Lines:
     A write is a system call, and CPython lets go of the GIL for it. Made per
     line on the loop, each of a run's log lines handed the interpreter to a
     waiting database or sweep thread, and the loop then queued to get it back:
-    a quarter of a run's CPU in a burst (docs/performance.md). So a line
+    a quarter of a run's CPU in a burst (its commit has the figures). So a line
     logged on the loop's thread waits up to ``FLUSH_SECONDS`` and leaves in
     one write with the others of that time. A line from any other thread (a
     sync sweep's own logger) has no loop to wait on: it is written at once,

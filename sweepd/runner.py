@@ -594,7 +594,7 @@ class _Heartbeat:
 
     Most runs end long before their first renewal. A task per run, asleep
     until then and cancelled at the end, cost about a sixth of a run's CPU
-    in a burst at high concurrency (docs/performance.md); a timer costs a
+    in a burst at high concurrency (its commit has the figures); a timer costs a
     fraction of that.
     """
 

@@ -43,7 +43,7 @@ LOOKAHEAD = 4
 # the busy slots to come back before it leaves with only the free ones. A
 # claim's time is mostly its commit, not its ticks: without the wait, slots
 # that free one after another split into groups that each pay a call for a
-# tick or two, and the backlog drains no sooner (docs/performance.md).
+# tick or two, and the backlog drains no sooner (its commit has the figures).
 GATHER_SECONDS = 0.005
 # After a call that decided nothing (every open row was busy at that
 # instant), how long to wait before asking again. Another replica's claim
@@ -61,7 +61,7 @@ SMALLEST_SHARE = 16
 # After a call that held back for its peers and won, how long the next call
 # waits. The peers' own calls take most of the rest of the burst, so the next
 # call mostly finds it taken; sent at once, it would share the GIL and the
-# CPU with the start of the runs just won (docs/performance.md).
+# CPU with the start of the runs just won (its commit has the figures).
 SHARE_PAUSE_SECONDS = 0.010
 
 
@@ -162,7 +162,7 @@ class Slots(Generic[Item, Result]):
         """Calls one at a time, each for every slot free when it leaves.
 
         Overlapping calls (one per slot as it frees) were measured: the same
-        lateness, for twice the statements (docs/performance.md).
+        lateness, for twice the statements (its commit has the figures).
         """
         busy = 0  # calls in a row that found every row busy
         try:
