@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -37,7 +36,14 @@ from sweepd.model import Settings, SweepDef
 from sweepd.observe import flush_logs, get_logger
 from sweepd.offload import bounded
 from sweepd.runner import Runner, iso
-from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, ticks_from
+from sweepd.schedule import (
+    Every,
+    jitter_delay,
+    next_tick,
+    previous_tick,
+    stale_after,
+    ticks_from,
+)
 
 HISTORY_SWEEP = "sweepd.prune-history"
 # Extra time, past drain_timeout, that cancelled runs get to notice and return.
@@ -284,11 +290,8 @@ class Daemon:
 
     def _count_schedule(self, sweep: SweepDef, now: datetime) -> None:
         """The sweep's stale-after gauge, for an alert on a sweep nobody runs."""
-        upcoming = list(itertools.islice(ticks_from(sweep.schedule, now), 2))
-        if len(upcoming) == 2:
-            interval = upcoming[1] - upcoming[0]
-            stale_after = 2 * interval + sweep.ttl
-            self.metrics.stale_after.labels(sweep.name).set(stale_after.total_seconds())
+        limit = stale_after(sweep.schedule, sweep.ttl, now)  # the rule of `sweepd status`
+        self.metrics.stale_after.labels(sweep.name).set(limit.total_seconds())
 
     def _revive(self, name: str) -> Flight | None:
         """The flight of a sweep that a reload removed and this one adds back,

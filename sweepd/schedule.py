@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from itertools import islice
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -229,3 +230,22 @@ def jitter_delay(jitter: timedelta, rng: random.Random) -> timedelta:
     if jitter <= timedelta(0):
         return timedelta(0)
     return timedelta(microseconds=rng.randrange(_micros(jitter) + 1))
+
+
+def interval_at(schedule: Schedule, at: datetime) -> timedelta:
+    """How far apart the schedule's ticks are at ``at``: a cron's last two ticks' gap."""
+    if isinstance(schedule, Every):
+        return schedule.interval
+    last = previous_tick(schedule, at)
+    before = None if last is None else previous_tick(schedule, last - _MICRO)
+    if last is None or before is None:
+        # Fewer than two ticks within previous_tick's reach: the gap of the next two.
+        following = list(islice(ticks_from(schedule, at), 2))
+        return following[1] - following[0]
+    return last - before
+
+
+def stale_after(schedule: Schedule, ttl: timedelta, at: datetime) -> timedelta:
+    """How long without a success makes a sweep STALE: two intervals and the ttl
+    (a crashed holder's lease blocks the sweep that long)."""
+    return 2 * interval_at(schedule, at) + ttl

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import chain, islice
+from itertools import chain
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Select, select
@@ -39,7 +39,7 @@ from sweepd.lease import LeaseRow, LeaseStore
 from sweepd.model import Settings, SweepDef
 from sweepd.plan import schedule_data, schedule_text
 from sweepd.redact import mask_url
-from sweepd.schedule import Every, Schedule, next_tick, previous_tick, ticks_from
+from sweepd.schedule import Schedule, next_tick, stale_after, ticks_from
 
 REPORT_VERSION = 1  # changes only when a field of the JSON is removed or changes meaning
 # Gap ticks listed per sweep; the count says how many there are in all. A screenful
@@ -156,25 +156,6 @@ def _first(connection: Connection, query: Select[Any]) -> RunRow | None:
 
 
 # -- the rules ------------------------------------------------------------------------------------
-
-
-def interval_at(schedule: Schedule, at: datetime) -> timedelta:
-    """How far apart the schedule's ticks are at ``at``: a cron's last two ticks' gap."""
-    if isinstance(schedule, Every):
-        return schedule.interval
-    last = previous_tick(schedule, at)
-    before = None if last is None else previous_tick(schedule, last - _MICRO)
-    if last is None or before is None:
-        # Fewer than two ticks within previous_tick's reach: the gap of the next two.
-        following = list(islice(ticks_from(schedule, at), 2))
-        return following[1] - following[0]
-    return last - before
-
-
-def stale_after(schedule: Schedule, ttl: timedelta, at: datetime) -> timedelta:
-    """How long without a success makes a sweep STALE: two intervals and the ttl
-    (a crashed holder's lease blocks the sweep that long)."""
-    return 2 * interval_at(schedule, at) + ttl
 
 
 @dataclass

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError
+
+from sweepd.db import migrate
+from sweepd.db.engine import make_engine
 
 if TYPE_CHECKING:
     from daemon_harness import Cluster
@@ -126,3 +129,12 @@ def cluster(database_url: str, tmp_path: Path) -> Iterator[Cluster]:
         yield found
     finally:
         found.close()
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """A migrated engine on the test's own database."""
+    migrate.upgrade(database_url)
+    engine = make_engine(database_url)
+    yield engine
+    engine.dispose()

@@ -25,14 +25,6 @@ def tick(n: int) -> datetime:
 
 
 @pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    migrate.upgrade(database_url)
-    engine = make_engine(database_url)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
 def store(engine: Engine) -> LeaseStore:
     return LeaseStore(engine, "test")
 

@@ -8,21 +8,26 @@ and when the last success was; the expectations are computed from the instant th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, insert, update
 
-from sweepd.db import migrate
-from sweepd.db.engine import make_engine
 from sweepd.db.schema import sweep_leases, sweep_runs
 from sweepd.history import History
 from sweepd.lease import LeaseStore, Won
 from sweepd.model import Database, Settings, SweepDef
-from sweepd.schedule import Cron, Every, Schedule, next_tick, previous_tick, ticks_between
-from sweepd.status import GAPS_SHOWN, Report, SweepStatus, as_json, read, render_text, stale_after
+from sweepd.schedule import (
+    Cron,
+    Every,
+    Schedule,
+    next_tick,
+    previous_tick,
+    stale_after,
+    ticks_between,
+)
+from sweepd.status import GAPS_SHOWN, Report, SweepStatus, as_json, read, render_text
 
 NS = "test"
 TEN = timedelta(seconds=10)
@@ -61,14 +66,6 @@ def settings(url: str, *sweeps: SweepDef, keep: timedelta = timedelta(days=14)) 
         sweeps=sweeps,
         history_keep=keep,
     )
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    migrate.upgrade(database_url)
-    engine = make_engine(database_url)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture
