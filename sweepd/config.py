@@ -206,7 +206,7 @@ class DatabaseFile(_Strict):
 
 
 class DefaultsFile(_Strict):
-    ttl: PositiveDuration = timedelta(seconds=30)
+    ttl: PositiveDuration = timedelta(seconds=3)
     timeout: PositiveDuration | None = None
     timezone: Zone = "UTC"
     misfire_grace: NonNegativeDuration = timedelta(seconds=30)

@@ -304,13 +304,29 @@ class _Statements:
             fencing_token=1,
         )
         mine = and_(key, t.holder == bindparam("p_holder"), t.fencing_token == bindparam("p_token"))
-        self.renew = update(sweep_leases).where(mine).values(expires_at=ttl)
+        # A renewal finds the lease only while it has not expired: one that
+        # expired (a holder paused past its ttl) may have been claimed and run
+        # by another replica already, so its holder must learn it lost it, and
+        # a renewal that lands after the release must not take the lease back.
+        self.renew = (
+            update(sweep_leases).where(mine, t.expires_at > db_now()).values(expires_at=ttl)
+        )
+        # The renewals of one replica's leases that share a ttl, as one statement.
+        held = tuple_(t.name, t.fencing_token).in_(bindparam("p_held", expanding=True))
+        ours = and_(
+            t.namespace == bindparam("p_namespace"), t.holder == bindparam("p_holder"), held
+        )
+        renew_many = (
+            update(sweep_leases).where(ours, t.expires_at > db_now()).values(expires_at=ttl)
+        )
+        self.renew_many = renew_many if mysql else renew_many.returning(t.name)
+        # MySQL's UPDATE returns no rows: the leases still held are read after it.
+        self.still_held = select(t.name).where(ours, t.expires_at > db_now())
         self.release = update(sweep_leases).where(mine).values(expires_at=db_now())
         # SQLite only (PostgreSQL's locks its rows in order, MySQL's UPDATE
         # returns nothing): the releases of one close as one statement. SQLite
         # has one writer at a time, so no row order is needed; the names it
         # returns are the leases this holder still had under those tokens.
-        held = tuple_(t.name, t.fencing_token).in_(bindparam("p_held", expanding=True))
         self.release_many_sqlite = (
             update(sweep_leases)
             .where(t.namespace == bindparam("p_namespace"), t.holder == bindparam("p_holder"), held)
@@ -544,6 +560,31 @@ class LeaseStore:
                 return bool(connection.execute(self._sql.renew, params).rowcount == 1)
         except SQLAlchemyError as error:
             raise store_fault("lease renew", name, self.engine, error) from error
+
+    def renew_many(self, holder: str, held: list[tuple[str, int, timedelta]]) -> set[str]:
+        """``renew`` for several (name, token, ttl) leases of ``holder``: the names
+        still held. One statement per distinct ttl (two on MySQL/MariaDB)."""
+        by_ttl: dict[timedelta, list[tuple[str, int]]] = {}
+        for name, token, ttl in held:
+            by_ttl.setdefault(ttl, []).append((name, token))
+        renewed: set[str] = set()
+        try:
+            with self.engine.connect() as connection:
+                for ttl, leases in by_ttl.items():
+                    params = {
+                        "p_namespace": self.namespace,
+                        "p_holder": holder,
+                        "p_held": leases,
+                        "p_micros": ttl // _MICRO,
+                    }
+                    found = connection.execute(self._sql.renew_many, params)
+                    if self._mysql:
+                        found = connection.execute(self._sql.still_held, params)
+                    renewed.update(found.scalars())
+        except SQLAlchemyError as error:
+            first = held[0][0] if held else None
+            raise store_fault("lease renew", first, self.engine, error) from error
+        return renewed
 
     def release(self, name: str, holder: str, token: int) -> bool:
         """Free the lease now, only if this holder and token still have it.

@@ -18,12 +18,12 @@ import queue
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from sweepd.clock import Clock
+from sweepd.clock import Clock, Timer
 from sweepd.context import SweepContext
 from sweepd.durations import format_duration
 from sweepd.errors import StoreError
@@ -137,6 +137,9 @@ class Runner:
             log=log,
         )
         self._closes = Batcher(self.ticks.close_many, gather=CLOSE_GATHER_SECONDS, clock=clock)
+        self.renewals = Renewals(
+            store, holder, clock, on_lost=self._lose, on_error=self._renew_failed
+        )
 
     # -- one tick ----------------------------------------------------------------------
 
@@ -214,13 +217,7 @@ class Runner:
             self.stats["runs.lost"] += opened.lost_runs
             log.warning("run.marked_lost", count=opened.lost_runs)
         lease_lost, cancelled = threading.Event(), threading.Event()
-        heartbeat = _Heartbeat(
-            self.clock,
-            sweep.ttl.total_seconds() / 3,
-            functools.partial(
-                self._heartbeat, sweep, token, lease_lost, log, self.clock.monotonic()
-            ),
-        )
+        self.renewals.hold(sweep, token, lease_lost, log)
         status: Status = "failed"
         ended: Ended | None = None  # the last attempt, its row finished with the release
         try:
@@ -255,7 +252,7 @@ class Runner:
                     break
         finally:
             slot.give_back()
-            await heartbeat.stop()
+            self.renewals.drop(sweep.name)
             closed = await self._close(
                 sweep.name, token, None if ended is None else ended.row(), log
             )
@@ -479,48 +476,27 @@ class Runner:
             attempt.task.cancel()
         return attempt
 
-    # -- the heartbeat ----------------------------------------------------------------------
+    # -- the renewals -----------------------------------------------------------------------
 
-    async def _heartbeat(
-        self, sweep: SweepDef, token: int, lease_lost: threading.Event, log: Any, since: float
-    ) -> None:
-        """Renew now and every ttl/3 after, on the database's clock; give up when the
-        lease is gone or unreachable too long. ``since``: when it was last known held."""
-        interval = sweep.ttl.total_seconds() / 3
-        last_ok = since
-        while True:
-            sent = self.clock.monotonic()
-            try:
-                # Bounded by the interval: a renewal stuck longer than that is a
-                # missed renewal, even if its thread never comes back.
-                renewed = await bounded(
-                    self.store.renew, sweep.name, self.holder, token, sweep.ttl, timeout=interval
-                )
-            except StoreError as error:
-                self.stats["lease_errors"] += 1
-                self.metrics.store_errors.labels("renew").inc()
-                log.error(
-                    "lease.error", operation="renew", error=str(error), transient=error.transient
-                )
-                # Two renewals missed: the row may expire before a third gets
-                # through, and another replica may take it. Stop the run and
-                # claim nothing until the database answers.
-                if sent - last_ok >= 2 * interval:
-                    self._lose(sweep, log, "unreachable")
-                    self._unhealthy()
-                    return
-            else:
-                if not renewed:
-                    self._lose(sweep, log, "taken")
-                    return
-                last_ok = sent
-            await self.clock.sleep(interval)
+    def _renew_failed(self, error: StoreError, leases: int) -> None:
+        self.stats["lease_errors"] += 1
+        self.metrics.store_errors.labels("renew").inc()
+        self.log.error(
+            "lease.error",
+            operation="renew",
+            error=str(error),
+            transient=error.transient,
+            leases=leases,
+        )
 
-    def _lose(self, sweep: SweepDef, log: Any, why: str) -> None:
+    def _lose(self, held: Held, why: str) -> None:
         self.stats["leases_lost"] += 1
-        self.metrics.lease_losses.labels(sweep.name).inc()
-        log.error("lease.lost", reason=why)
-        self.stop(sweep.name, "lost")
+        self.metrics.lease_losses.labels(held.sweep.name).inc()
+        held.log.error("lease.lost", reason=why)
+        self.stop(held.sweep.name, "lost")
+        if why == "unreachable":
+            # The database may be down for every lease: claim nothing until it answers.
+            self._unhealthy()
 
     def _unhealthy(self) -> None:
         """Claim nothing until a probe reaches the database again."""
@@ -589,30 +565,112 @@ class Runner:
             self.log.info("lease.released_late", sweep=name, fencing_token=token, released=released)
 
 
-class _Heartbeat:
-    """A run's renewals, begun by a timer when the first is due.
+# How often a replica renews the leases it holds, all of them in one call: a
+# replica sends at most one renewal a second, however many runs it has in
+# flight, so a ttl of a few seconds is cheap. A lease whose ttl/3 is shorter
+# is renewed that often instead.
+RENEW_SECONDS = 1.0
 
-    Most runs end long before their first renewal. A task per run, asleep
-    until then and cancelled at the end, cost about a sixth of a run's CPU
-    in a burst at high concurrency (its commit has the figures); a timer costs a
-    fraction of that.
+
+@dataclass
+class Held:
+    """A lease this replica holds for a run in flight."""
+
+    sweep: SweepDef
+    token: int
+    lost: threading.Event  # the run's ctx.lease_lost
+    log: Any
+    renewed: float  # monotonic: when it was last known held (claimed, or renewed)
+
+
+class Renewals:
+    """The leases this replica holds, renewed together while any is held.
+
+    Every beat renews, in one call, the leases whose ttl/3 has come due (to
+    within half a beat): a run shorter than that never costs a renewal. A
+    lease the renewal no longer finds is lost, taken by another replica or
+    expired while this one was paused. One whose renewals have failed for
+    two thirds of its ttl, less half a beat, is lost too: by the next beat it
+    could expire and be claimed by another replica.
     """
 
     def __init__(
-        self, clock: Clock, delay: float, beat: Callable[[], Coroutine[Any, Any, None]]
+        self,
+        store: LeaseStore,
+        holder: str,
+        clock: Clock,
+        *,
+        on_lost: Callable[[Held, str], None],
+        on_error: Callable[[StoreError, int], None],
     ) -> None:
-        self._beat = beat
-        self._task: asyncio.Task[None] | None = None
-        self._timer = clock.call_later(delay, self._start)
+        self.store, self.holder, self.clock = store, holder, clock
+        self.on_lost, self.on_error = on_lost, on_error
+        self._held: dict[str, Held] = {}
+        self._timer: Timer | None = None  # the next beat, set while any lease is held
+        self._beating = False
 
-    def _start(self) -> None:
-        self._task = spawn(self._beat(), name="heartbeat")
+    def hold(self, sweep: SweepDef, token: int, lost: threading.Event, log: Any) -> None:
+        self._held[sweep.name] = Held(sweep, token, lost, log, self.clock.monotonic())
+        self._schedule()
 
-    async def stop(self) -> None:
-        self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+    def drop(self, name: str) -> None:
+        """The run is over: its lease is released with its row, not renewed."""
+        self._held.pop(name, None)
+        if not self._held and self._timer is not None:
+            self._timer.cancel()  # nothing held: nothing wakes this replica
+            self._timer = None
+
+    def _schedule(self) -> None:
+        if self._timer is None and not self._beating and self._held:
+            self._timer = self.clock.call_later(self._period(), self._fire)
+
+    def _period(self) -> float:
+        return min([RENEW_SECONDS, *(_third(h) for h in self._held.values())])
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._beating = True
+        spawn(self._beat_then_schedule(self._period()), name="renewals")
+
+    async def _beat_then_schedule(self, period: float) -> None:
+        try:
+            await self._beat(period)
+        finally:
+            self._beating = False
+            self._schedule()
+
+    async def _beat(self, period: float) -> None:
+        sent = self.clock.monotonic()
+        due = [h for h in self._held.values() if sent - h.renewed >= _third(h) - period / 2]
+        if not due:
+            return
+        leases = [(h.sweep.name, h.token, h.sweep.ttl) for h in due]
+        try:
+            # Bounded well inside the margin: a hung renewal is a failed one.
+            renewed = await bounded(self.store.renew_many, self.holder, leases, timeout=period / 4)
+        except StoreError as error:
+            self.on_error(error, len(due))
+            failed_at = self.clock.monotonic()
+            for held in due:
+                if failed_at - held.renewed >= 2 * _third(held) - period / 2:
+                    self._lose(held, "unreachable")
+            return
+        for held in due:
+            if held.sweep.name in renewed:
+                held.renewed = sent
+            else:
+                self._lose(held, "taken")
+
+    def _lose(self, held: Held, why: str) -> None:
+        if self._held.get(held.sweep.name) is not held:
+            return  # its run ended while the renewal was out
+        del self._held[held.sweep.name]
+        held.lost.set()
+        self.on_lost(held, why)
+
+
+def _third(held: Held) -> float:
+    return held.sweep.ttl.total_seconds() / 3
 
 
 class _Threads:

@@ -108,6 +108,46 @@ def test_renew_extends_only_for_the_holder_and_token(store: LeaseStore) -> None:
     assert not store.release("purge", "b", won.token)
 
 
+def test_renew_many_renews_only_what_this_holder_still_holds(store: LeaseStore) -> None:
+    short, long = timedelta(seconds=3), timedelta(minutes=5)
+    tokens = {}
+    for name in ("a1", "a2", "a3", "released", "taken"):
+        won = store.claim(name, "a", short, tick(1))
+        assert isinstance(won, Won)
+        tokens[name] = won.token
+    assert store.release("released", "a", tokens["released"])
+    assert store.release("taken", "a", tokens["taken"])
+    assert isinstance(store.claim("taken", "b", short, tick(2)), Won)
+    before = {name: store.read(name) for name in ("a1", "a2", "a3")}
+
+    held = [(name, tokens[name], short) for name in ("a1", "a2", "released", "taken")]
+    renewed = store.renew_many("a", [*held, ("a3", tokens["a3"], long)])
+
+    # A released lease is not taken back, and another holder's is left alone.
+    assert renewed == {"a1", "a2", "a3"}
+    after = {name: store.read(name) for name in ("a1", "a2", "a3")}
+    for name in ("a1", "a2", "a3"):
+        old, new = before[name], after[name]
+        assert old is not None and new is not None
+        assert new.expires_at >= old.expires_at, name
+    a3 = after["a3"]
+    assert a3 is not None and a3.expires_at - store.now() > timedelta(minutes=4)
+    taken = store.read("taken")
+    assert taken is not None and taken.holder == "b"
+    assert store.renew_many("a", [("a1", tokens["a1"] + 1, short)]) == set()
+    assert store.renew_many("b", [("a1", tokens["a1"], short)]) == set()
+
+
+def test_a_lease_past_its_expiry_is_not_renewed(store: LeaseStore) -> None:
+    """Its holder was paused past the ttl: another replica may have run the
+    sweep meanwhile, so the holder must learn it lost the lease."""
+    won = store.claim("purge", "a", timedelta(milliseconds=300), tick(1))
+    assert isinstance(won, Won)
+    time.sleep(0.5)
+    assert store.renew_many("a", [("purge", won.token, TTL)]) == set()
+    assert not store.renew("purge", "a", won.token, TTL)
+
+
 def test_a_winning_claim_is_one_statement_once_the_row_exists(
     engine: Engine, store: LeaseStore
 ) -> None:

@@ -56,7 +56,7 @@ def test_defaults_fill_what_the_file_leaves_out(fresh_registry: registry.Registr
     assert settings.concurrency == 4
     assert settings.drain_timeout == timedelta(seconds=30)
     (tidy,) = settings.sweeps
-    assert tidy.ttl == timedelta(seconds=30)
+    assert tidy.ttl == timedelta(seconds=3)
     assert tidy.timeout is None
     assert tidy.misfire_grace == timedelta(seconds=30)
     assert tidy.schedule == Every(timedelta(minutes=1))
