@@ -88,50 +88,34 @@ class Daemon:
         reload: Callable[[], Settings] | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.clock = clock or SystemClock()
+        self.settings, self.engine, self.dry_run, self._reload = settings, engine, dry_run, reload
+        self.clock, self.rng = clock or SystemClock(), rng or random.Random()
         self.holder = holder or make_holder()
-        self.dry_run = dry_run
-        self._reload = reload
-        self.rng = rng or random.Random()
         self.stats: Counter[str] = Counter()
         self.log = get_logger(holder=self.holder, namespace=settings.namespace)
         self.metrics = Metrics()
         self.vitals = Vitals()
+        store, history = LeaseStore(engine, settings.namespace), History(engine, settings.namespace)
         self.runner = Runner(
-            LeaseStore(engine, settings.namespace),
-            History(engine, settings.namespace),
-            self.holder,
-            self.clock,
-            self.log,
-            self.stats,
-            settings.concurrency,
-            self.metrics,
-        )
+            store, history, self.holder, self.clock, self.log, self.stats,
+            settings.concurrency, self.metrics,
+        )  # fmt: skip
         self.flights: dict[str, Flight] = {}
         self.metrics.count_from(
             in_flight=lambda: len(self.runner.inflight),
             queued=lambda: sum(f.waiting is not None for f in list(self.flights.values())),
         )
         self._retired: list[Flight] = []  # removed by a reload, their last run still going
-        self._heap: list[_Due] = []
+        self._heap: list[_Due] = []  # fire times, soonest first; _seq orders equal ones
         self._seq = 0
         self._generation: dict[str, int] = {}
-        # Each replica walks the sweeps due at one instant in an order of its
-        # own. In one shared order every replica would ask for the same rows
-        # first and most claims would find them taken; in different orders
-        # each mostly finds its first choices free, and a burst is spread
-        # over the replicas sooner.
-        self._rank: dict[str, float] = {}
+        self._rank: dict[str, float] = {}  # this replica's order of the sweeps (_push)
         self._wake = asyncio.Event()
-        self._stopping = False
-        self._reload_requested = False
+        self._stopping = self._reload_requested = False
         self.last_fired: datetime | None = None  # the latest tick handed to a flight
-        # Told of each change of the daemon's state, on the loop: "started"
-        # (schedules loaded), "reloading", "reloaded" (whether or not the new
-        # file was taken), "draining" and "stopped". systemd's notify protocol
-        # and the readiness probe listen here; a watcher must not block.
+        # Told of each change of state, on the loop: "started" (schedules loaded),
+        # "reloading", "reloaded" (taken or not), "draining" and "stopped". systemd's
+        # notify protocol and the readiness probe listen here; none may block.
         self.watchers: list[Callable[[str], None]] = []
 
     def _tell(self, state: str) -> None:
@@ -307,6 +291,11 @@ class Daemon:
         return None
 
     def _push(self, sweep: SweepDef, tick: datetime, generation: int) -> None:
+        # Each replica walks the sweeps due at one instant in an order of its
+        # own. In one shared order every replica would ask for the same rows
+        # first and most claims would find them taken; in different orders
+        # each mostly finds its first choices free, and a burst is spread
+        # over the replicas sooner.
         self._seq += 1
         fire_at = tick + jitter_delay(sweep.jitter, self.rng)
         rank = self._rank.setdefault(sweep.name, self.rng.random())
@@ -416,18 +405,9 @@ class Daemon:
         now = self.clock.now()
         old = {s.name: s for s in self._all_sweeps(self.settings)}
         fresh = {s.name: s for s in self._all_sweeps(new)}
-        for name in old.keys() - fresh.keys():
-            self._generation[name] = (
-                self._generation.get(name, 0) + 1
-            )  # drops its queued fire times
-            with contextlib.suppress(KeyError):  # a removed sweep is stale for nobody
-                self.metrics.stale_after.remove(name)
-            flight = self.flights.pop(name, None)
-            if flight is not None:
-                flight.removed = True
-                flight.waiting = None  # its current run, if any, finishes
-                if flight.task is not None:
-                    self._retired.append(flight)
+        removed = sorted(old.keys() - fresh.keys())
+        for name in removed:
+            self._retire(name)
         added = sorted(fresh.keys() - old.keys())
         changed = sorted(n for n in fresh.keys() & old.keys() if _differs(fresh[n], old[n]))
         for name in changed:
@@ -440,12 +420,19 @@ class Daemon:
         for name in added + changed:
             self._add(fresh[name], now)
         self.settings = replace(self.settings, sweeps=new.sweeps, warnings=new.warnings)
-        self.log.info(
-            "config.reloaded",
-            added=added,
-            removed=sorted(old.keys() - fresh.keys()),
-            changed=changed,
-        )
+        self.log.info("config.reloaded", added=added, removed=removed, changed=changed)
+
+    def _retire(self, name: str) -> None:
+        """A sweep the reload removed: no more ticks; a run in flight finishes."""
+        self._generation[name] = self._generation.get(name, 0) + 1  # drops its fire times
+        with contextlib.suppress(KeyError):  # a removed sweep is stale for nobody
+            self.metrics.stale_after.remove(name)
+        flight = self.flights.pop(name, None)
+        if flight is not None:
+            flight.removed = True
+            flight.waiting = None
+            if flight.task is not None:
+                self._retired.append(flight)
 
     # -- drain ----------------------------------------------------------------------------------
 

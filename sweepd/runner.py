@@ -108,12 +108,8 @@ class Runner:
         concurrency: int = 4,
         metrics: Metrics | None = None,
     ) -> None:
-        self.store = store
-        self.history = history
-        self.holder = holder
-        self.clock = clock
-        self.log = log
-        self.stats = stats
+        self.store, self.history, self.holder = store, history, holder
+        self.clock, self.log, self.stats = clock, log, stats
         self.metrics = metrics or Metrics()
         # False after a lease was lost to an outage: the replica claims nothing
         # new until a probe gets through to the database again.
@@ -197,72 +193,88 @@ class Runner:
         log: Any,
         slot: _Slot,
     ) -> str:
-        """Run a won tick in its slot: attempts, heartbeat, then finish and release."""
-        assert isinstance(opened.claim, Won)
+        """Run a won tick in its slot: attempts under renewals, then finish and release."""
+        assert isinstance(opened.claim, Won) and opened.started is not None
         token = opened.claim.token
         log = log.bind(fencing_token=token)
-        self.stats["ticks_claimed"] += 1
+        self._claimed(sweep, tick, trigger, opened, log)
+        lease_lost, cancelled = threading.Event(), threading.Event()
+        self.renewals.hold(sweep, token, lease_lost, log)
         started = opened.started
-        assert started is not None, "a won claim always reports its first row"
-        # The first attempt's start: its run.started says nothing more, so it is
-        # a debug line, one fewer per run (a retry's start is news: info).
-        run_id = started if isinstance(started, int) else None  # None: its row failed
+        status: Status = "failed"
+        ended: Ended | None = None  # the last attempt, its row finished with the release
+        try:
+            for attempt in range(1, sweep.retries.max + 2):
+                if attempt > 1:
+                    started = await self._start(sweep, tick, token, attempt, trigger)
+                ctx = self._context(sweep, tick, token, attempt, log, cancelled, lease_lost)
+                ended = await self._attempt(sweep, started, token, ctx, trigger, log)
+                status = "failed" if ended is None else ended.status
+                if status not in ("failed", "timeout") or attempt > sweep.retries.max:
+                    break  # done: a success, the last attempt, or stopped from outside
+                if ended is not None:  # another attempt follows: this one's row is finished now
+                    await self._finish(ended)
+                    ended = None
+                if not self.draining and sweep.retries.backoff.total_seconds() > 0:
+                    await self.clock.sleep(sweep.retries.backoff.total_seconds())
+                if self.draining or lease_lost.is_set():  # no retry for a drain or a lost lease
+                    break
+        finally:
+            slot.give_back()
+            self.renewals.drop(sweep.name)
+            await self._hand_back(sweep.name, token, ended, lease_lost, log)
+        return status
+
+    def _claimed(
+        self, sweep: SweepDef, tick: datetime | None, trigger: Trigger, opened: Opened, log: Any
+    ) -> None:
+        """Count and log a won tick, and the rows its claim found left running."""
+        self.stats["ticks_claimed"] += 1
         lateness = self._lateness(tick)
         if lateness is not None:
             self.metrics.of(sweep.name).lateness.observe(max(0.0, lateness))
+        # The first attempt's start: its run.started says nothing more, so it is
+        # a debug line, one fewer per run (a retry's start is news: info).
+        run_id = opened.started if isinstance(opened.started, int) else None  # None: no row
         log.info("tick.claimed", lateness=lateness, trigger=trigger, run_id=run_id)
         if opened.lost_error is not None:
             self._record_failed(log, "mark lost", opened.lost_error)
         elif opened.lost_runs:
             self.stats["runs.lost"] += opened.lost_runs
             log.warning("run.marked_lost", count=opened.lost_runs)
-        lease_lost, cancelled = threading.Event(), threading.Event()
-        self.renewals.hold(sweep, token, lease_lost, log)
-        status: Status = "failed"
-        ended: Ended | None = None  # the last attempt, its row finished with the release
-        try:
-            for attempt in range(1, sweep.retries.max + 2):
-                ctx = SweepContext(
-                    name=sweep.name,
-                    tick=tick if tick is not None else self.clock.now(),
-                    fencing_token=token,
-                    attempt=attempt,
-                    holder=self.holder,
-                    logger=log,
-                    cancelled=cancelled,
-                    lease_lost=lease_lost,
-                )
-                if attempt > 1:
-                    started = await self._start(sweep, tick, token, attempt, trigger)
-                ended = await self._attempt(sweep, started, token, ctx, trigger, log)
-                status = "failed" if ended is None else ended.status
-                if (
-                    status not in ("failed", "timeout")
-                    or attempt > sweep.retries.max
-                    or self.draining
-                ):
-                    break
-                # Another attempt follows: this one's row is finished now.
-                if ended is not None:
-                    await self._finish(ended)
-                    ended = None
-                if sweep.retries.backoff.total_seconds() > 0:
-                    await self.clock.sleep(sweep.retries.backoff.total_seconds())
-                if self.draining or lease_lost.is_set():
-                    break
-        finally:
-            slot.give_back()
-            self.renewals.drop(sweep.name)
-            closed = await self._close(
-                sweep.name, token, None if ended is None else ended.row(), log
-            )
-            if ended is not None:
-                self._finished(ended, closed.row_error)
-            if closed.released:
-                log.debug("lease.released")
-            elif closed.release_error is None and not lease_lost.is_set():
-                log.warning("lease.release_failed", error="the lease was no longer this holder's")
-        return status
+
+    def _context(
+        self,
+        sweep: SweepDef,
+        tick: datetime | None,
+        token: int,
+        attempt: int,
+        log: Any,
+        cancelled: threading.Event,
+        lease_lost: threading.Event,
+    ) -> SweepContext:
+        return SweepContext(
+            name=sweep.name,
+            tick=tick if tick is not None else self.clock.now(),
+            fencing_token=token,
+            attempt=attempt,
+            holder=self.holder,
+            logger=log,
+            cancelled=cancelled,
+            lease_lost=lease_lost,
+        )
+
+    async def _hand_back(
+        self, name: str, token: int, ended: Ended | None, lease_lost: threading.Event, log: Any
+    ) -> None:
+        """Finish the last attempt's row and release the lease, then say how it went."""
+        closed = await self._close(name, token, None if ended is None else ended.row(), log)
+        if ended is not None:
+            self._finished(ended, closed.row_error)
+        if closed.released:
+            log.debug("lease.released")
+        elif closed.release_error is None and not lease_lost.is_set():
+            log.warning("lease.release_failed", error="the lease was no longer this holder's")
 
     # -- the database side of a run: retries' rows, and the closing hop ---------------------
 
@@ -411,32 +423,16 @@ class Runner:
             else functools.partial(sweep.func, **sweep.args)
         )
         loop = asyncio.get_running_loop()
-        is_async = inspect.iscoroutinefunction(sweep.func)
-        if is_async:
+        if inspect.iscoroutinefunction(sweep.func):
             attempt.task = asyncio.ensure_future(call())
         else:
             attempt.task = loop.create_future()
             _start_thread(call, attempt.task, loop, sweep.name)
         if sweep.timeout is not None:  # without one, the outcome is all there is to wait for
-            timeout = sweep.timeout.total_seconds()
-            done, _ = await asyncio.wait({attempt.task}, timeout=timeout)
-            if not done and attempt.reason is None:
-                attempt.reason = "timeout"
-                ctx.cancelled.set()
-                if is_async:
-                    attempt.task.cancel()
-                else:
-                    # Said now, not when the thread finally returns: a sync sweep
-                    # that ignores ctx.cancelled holds its lease until it does,
-                    # and its row says how it ended meanwhile (§5: timeout).
-                    ctx.logger.warning(
-                        "run.timed_out", timeout=timeout, note="waiting for the thread to return"
-                    )
-                    await self._record_timeout(attempt)
+            await self._time_out(attempt, sweep.timeout.total_seconds())
         # A sync run keeps its lease and its slot until its thread returns:
         # letting the next tick start beside it would be the overlap we forbid.
-        result = await asyncio.gather(attempt.task, return_exceptions=True)
-        outcome = result[0]
+        outcome: Any = (await asyncio.gather(attempt.task, return_exceptions=True))[0]
         if attempt.reason is not None:
             return attempt.reason, _reason_text(attempt), None
         if ctx.lease_lost.is_set():
@@ -446,6 +442,25 @@ class Runner:
         if isinstance(outcome, BaseException):
             return "failed", describe_error(outcome), outcome
         return "success", None, None
+
+    async def _time_out(self, attempt: Attempt, timeout: float) -> None:
+        """Stop a run still going after ``timeout``: cancel an async one, tell a sync one."""
+        assert attempt.task is not None
+        done, _ = await asyncio.wait({attempt.task}, timeout=timeout)
+        if done or attempt.reason is not None:
+            return
+        attempt.reason = "timeout"
+        attempt.ctx.cancelled.set()
+        if inspect.iscoroutinefunction(attempt.sweep.func):
+            attempt.task.cancel()
+            return
+        # Said now, not when the thread finally returns: a sync sweep that
+        # ignores ctx.cancelled holds its lease until it does, and its row
+        # says how it ended meanwhile (§5: timeout).
+        attempt.ctx.logger.warning(
+            "run.timed_out", timeout=timeout, note="waiting for the thread to return"
+        )
+        await self._record_timeout(attempt)
 
     async def _record_timeout(self, attempt: Attempt) -> None:
         """Finish a timed-out sync run's row now; the close, when its thread
