@@ -39,7 +39,7 @@ from sweepd.model import SweepDef
 from sweepd.observe import configure_logging, get_logger
 from sweepd.runner import Runner
 from sweepd.schedule import Every
-from sweepd.ticks import TickStore
+from sweepd.store import TickStore
 
 
 def nothing() -> None:
@@ -109,8 +109,10 @@ def main() -> None:
             )
             for i in range(args.sweeps)
         ]
-        TickStore.open_upto = counted(calls, "claim", TickStore.open_upto)  # type: ignore[method-assign]
-        TickStore.close_many = counted(calls, "close", TickStore.close_many)  # type: ignore[method-assign]
+        for store in (TickStore, *TickStore.__subclasses__()):  # each dialect's own verbs
+            for verb, kind in (("open", "claim"), ("close", "close")):
+                if verb in vars(store):
+                    setattr(store, verb, counted(calls, kind, getattr(store, verb)))
         runner = Runner(
             LeaseStore(engine, "burst"),
             History(engine, "burst"),

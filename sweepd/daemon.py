@@ -95,10 +95,10 @@ class Daemon:
         self.log = get_logger(holder=self.holder, namespace=settings.namespace)
         self.metrics = Metrics()
         self.vitals = Vitals()
-        store, history = LeaseStore(engine, settings.namespace), History(engine, settings.namespace)
+        self.history = History(engine, settings.namespace)
         self.runner = Runner(
-            store, history, self.holder, self.clock, self.log, self.stats,
-            settings.concurrency, self.metrics,
+            LeaseStore(engine, settings.namespace), self.history, self.holder, self.clock,
+            self.log, self.stats, settings.concurrency, self.metrics,
         )  # fmt: skip
         self.flights: dict[str, Flight] = {}
         self.metrics.count_from(
@@ -169,7 +169,7 @@ class Daemon:
                 " (give each replica on a host its own port, or port 0)"
             ) from None
         server.start()
-        pulse = Pulse(self.vitals, self.clock, self.runner.store.now, self.metrics, self.log)
+        pulse = Pulse(self.vitals, self.clock, self.runner.ticks.now, self.metrics, self.log)
         pulse.start()
         self.log.info("health.listening", address=server.listening)
         flush_logs()  # with port 0 this line is the only way to find the port: now, not later
@@ -236,7 +236,7 @@ class Daemon:
     def _history_sweep(self, settings: Settings) -> SweepDef:
         """Pruning is a sweep like any other: leased, recorded, once per tick across replicas."""
         keep = settings.history_keep
-        history = self.runner.history
+        history = self.history
 
         def prune() -> None:
             deleted = history.prune(keep)
@@ -473,7 +473,7 @@ class Daemon:
         self.log.info("daemon.stopped", stats=dict(sorted(self.stats.items())))
 
     async def _cancel_in_flight(self, pending: set[asyncio.Task[None]]) -> None:
-        history, store = self.runner.history, self.runner.store
+        ticks = self.runner.ticks
         stuck = []
         for name in list(self.runner.inflight):
             attempt = self.runner.stop(name, "cancelled")
@@ -488,9 +488,8 @@ class Daemon:
             # that had timed out already says so, and keeps saying it.
             if attempt.run_id is not None and attempt.reason != "timeout":
                 try:
-                    await bounded(
-                        history.finish, attempt.run_id, name, "cancelled", "drain timeout reached"
-                    )
+                    ending = (attempt.run_id, name, "cancelled", "drain timeout reached")
+                    await bounded(ticks.finish, ending)
                 except Exception as error:
                     self.log.error(
                         "run.record_failed", sweep=name, operation="finish", error=str(error)
@@ -500,9 +499,8 @@ class Daemon:
             task.cancel()
         # A sync sweep that ignores ctx.cancelled cannot be stopped from here;
         # its lease is released and the process exit ends its thread.
-        for attempt in stuck:
-            with contextlib.suppress(StoreError):
-                await bounded(store.release, attempt.sweep.name, self.holder, attempt.token)
+        with contextlib.suppress(StoreError):
+            await bounded(ticks.release, [(a.sweep.name, a.token) for a in stuck])
 
 
 def first_leg(delay: float) -> float:

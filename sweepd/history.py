@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from sqlalchemy import Engine, bindparam, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from sweepd.db.engine import DriverStatement, db_now, driver_times, retry_deadlocks, store_fault
+from sweepd.db.engine import db_now, retry_deadlocks, store_fault
 from sweepd.db.schema import ERROR_LENGTH, UtcDateTime, sweep_runs
 from sweepd.errors import StoreError
 
@@ -61,7 +61,7 @@ def describe_error(error: BaseException) -> str:
     return text if len(text) <= ERROR_LENGTH else text[: ERROR_LENGTH - 1] + "…"
 
 
-class _Statements:
+class RunStatements:
     """The run-row statements of the hot path, built once with bind parameters:
     building a Core statement per call costs more CPU than its round trip."""
 
@@ -110,18 +110,13 @@ class _Statements:
         )
 
 
-_SQL = _Statements()
+RUN_SQL = RunStatements()
 
 
 class History:
     def __init__(self, engine: Engine, namespace: str) -> None:
         self.engine = engine
         self.namespace = namespace
-        if engine.dialect.name == "sqlite":
-            self._stale_in = DriverStatement(_SQL.stale_of_one, engine.dialect)
-            self._mark_lost_in = DriverStatement(_SQL.mark_lost_one, engine.dialect)
-            self._start_in = DriverStatement(_SQL.start, engine.dialect)
-            self._time_in, _ = driver_times(engine.dialect)
 
     def start(
         self,
@@ -143,7 +138,7 @@ class History:
         }
         try:
             with self.engine.connect() as connection:
-                key = connection.execute(_SQL.start, params).inserted_primary_key
+                key = connection.execute(RUN_SQL.start, params).inserted_primary_key
                 assert key is not None
                 return int(key[0])
         except SQLAlchemyError as error:
@@ -172,43 +167,16 @@ class History:
         try:
             with self.engine.connect() as connection:
                 if len(rows) > 1 and dialect.insert_executemany_returning_sort_by_parameter_order:
-                    found = connection.execute(_SQL.start_returning, rows)
+                    found = connection.execute(RUN_SQL.start_returning, rows)
                     return [int(run_id) for run_id in found.scalars()]
                 ids = []
                 for row in rows:
-                    key = connection.execute(_SQL.start, row).inserted_primary_key
+                    key = connection.execute(RUN_SQL.start, row).inserted_primary_key
                     assert key is not None
                     ids.append(int(key[0]))
                 return ids
         except SQLAlchemyError as error:
             raise store_fault("run start", starts[0].name, self.engine, error) from error
-
-    def open_in(self, cursor: Any, starts: list[Start]) -> tuple[dict[str, int], list[int]]:
-        """SQLite: for just-claimed runs, on a driver cursor inside the claim's write
-        transaction (``sqlite_write``), mark their sweeps' rows left ``running``
-        under an older token lost, then write their rows. How many were marked
-        lost, per sweep, and the new rows' ids in order."""
-        lost: dict[str, int] = {}
-        ids: list[int] = []
-        for start in starts:
-            params = self._start_in.params(
-                p_namespace=self.namespace,
-                p_name=start.name,
-                p_tick=self._time_in(start.tick),
-                p_holder=start.holder,
-                p_token=start.token,
-                p_attempt=start.attempt,
-                p_trigger=start.trigger,
-            )
-            stale = self._stale_in.params(p_namespace=self.namespace, p_name=start.name)
-            cursor.execute(self._stale_in.sql, stale)
-            for run_id, token in cursor.fetchall():
-                if token < start.token:
-                    cursor.execute(self._mark_lost_in.sql, self._mark_lost_in.params(p_id=run_id))
-                    lost[start.name] = lost.get(start.name, 0) + 1
-            cursor.execute(self._start_in.sql, params)
-            ids.append(int(cursor.lastrowid))
-        return lost, ids
 
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended (only while the row still says ``running``)."""
@@ -221,7 +189,7 @@ class History:
 
         def write() -> None:
             with self.engine.connect() as connection:
-                connection.execute(_SQL.finish, params)
+                connection.execute(RUN_SQL.finish, params)
 
         try:
             retry_deadlocks(write)
@@ -238,12 +206,12 @@ class History:
             # sweep and deadlock with their own finish on MySQL.
             with self.engine.connect() as connection:
                 found = connection.execute(
-                    _SQL.stale_of, {"p_namespace": self.namespace, "p_names": list(claimed)}
+                    RUN_SQL.stale_of, {"p_namespace": self.namespace, "p_names": list(claimed)}
                 )
                 stale = [row for row in found if row.fencing_token < claimed[row.name]]
                 if not stale:
                     return {}
-                connection.execute(_SQL.mark_lost, {"p_ids": [row.id for row in stale]})
+                connection.execute(RUN_SQL.mark_lost, {"p_ids": [row.id for row in stale]})
                 counts: dict[str, int] = {}
                 for row in stale:
                     counts[row.name] = counts.get(row.name, 0) + 1

@@ -26,9 +26,9 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from sqlalchemy import (
     BigInteger,
@@ -39,29 +39,23 @@ from sqlalchemy import (
     insert,
     or_,
     select,
-    text,
     tuple_,
     update,
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from sweepd.db.engine import (
-    DriverStatement,
     db_now,
     db_now_plus,
-    driver_rows,
-    driver_times,
     is_duplicate_key,
     make_engine,
-    pg_array,
-    prepare_for,
     store_fault,
 )
 from sweepd.db.schema import UtcDateTime, sweep_leases
 from sweepd.durations import parse_duration
 from sweepd.errors import StoreError, SweepdError
 
-_MICRO = timedelta(microseconds=1)
+MICRO = timedelta(microseconds=1)
 # How early, by the database's clock, a replica may claim a tick: room for the
 # ordinary disagreement of NTP-synced hosts, not for a clock that is wrong.
 CLOCK_TOLERANCE = timedelta(seconds=1)
@@ -106,123 +100,6 @@ class Want:
     tick: datetime | None  # None: a manual run, which only prevents overlap
 
 
-# PostgreSQL claims up to :p_limit of a batch of ticks in one statement: the
-# same conditions as the single claim, row by row, joined against the wanted
-# ticks in this replica's order of preference. SKIP LOCKED passes over rows
-# that another replica is claiming or releasing at that instant, so a claimer
-# never waits and never deadlocks; such rows, and rows beyond the limit, come
-# back undecided and are asked for again. The final SELECT reads the rows as
-# they were before the UPDATE, which explains each loss. The CTEs are shared
-# with the daemon's statement that also writes the run rows (sweepd.ticks):
-# ``wanted`` is the ticks asked for, ``won`` the rows claimed (name, token).
-# Each read of sweep_leases also says ``name = ANY(:p_names)``, which the
-# join already implies: a planner without statistics (a new table, before
-# autovacuum's first ANALYZE) otherwise reads every lease of the namespace
-# once per wanted tick, 8 ms a claim at 1,000 sweeps instead of 0.5.
-CLAIM_UPTO_POSTGRESQL_CTES = """
-    wanted AS (
-        SELECT w.name, w.tick, w.micros, w.ord
-        FROM unnest(
-            CAST(:p_names AS varchar[]),
-            CAST(:p_ticks AS timestamptz[]),
-            CAST(:p_micros AS bigint[])
-        ) WITH ORDINALITY AS w (name, tick, micros, ord)
-    ),
-    chosen AS (
-        SELECT l.name FROM sweep_leases AS l JOIN wanted AS w ON l.name = w.name
-        WHERE l.namespace = :p_namespace
-          AND l.name = ANY(CAST(:p_names AS varchar[]))
-          AND l.expires_at <= statement_timestamp()
-          AND w.tick <= statement_timestamp() + :p_tolerance * interval '1 microsecond'
-          AND (l.tick IS NULL OR l.tick < w.tick)
-        ORDER BY w.ord
-        LIMIT :p_limit
-        FOR UPDATE OF l SKIP LOCKED
-    ),
-    won AS (
-        UPDATE sweep_leases AS l
-        SET holder = :p_holder,
-            acquired_at = statement_timestamp(),
-            expires_at = statement_timestamp() + w.micros * interval '1 microsecond',
-            tick = w.tick,
-            fencing_token = l.fencing_token + 1
-        FROM wanted AS w
-        WHERE l.namespace = :p_namespace
-          AND l.name = ANY(CAST(:p_names AS varchar[]))
-          AND l.name = w.name
-          AND l.name IN (SELECT name FROM chosen)
-          AND l.expires_at <= statement_timestamp()
-          AND (l.tick IS NULL OR l.tick < w.tick)
-        RETURNING l.name, l.fencing_token
-    )
-"""
-# Per wanted tick: the token if won, else the row as it was before the
-# statement (what explains a loss), and whether that row was open.
-CLAIM_UPTO_POSTGRESQL_OUTCOME = """
-    w.name, won.fencing_token AS token, l.holder, l.expires_at, l.tick,
-    w.tick > statement_timestamp() + :p_tolerance * interval '1 microsecond' AS early,
-    l.expires_at <= statement_timestamp() AND (l.tick IS NULL OR l.tick < w.tick) AS open
-"""
-CLAIM_UPTO_POSTGRESQL_JOINS = """
-    FROM wanted AS w
-    LEFT JOIN won ON won.name = w.name
-    LEFT JOIN sweep_leases AS l
-        ON l.namespace = :p_namespace
-        AND l.name = ANY(CAST(:p_names AS varchar[]))
-        AND l.name = w.name
-"""
-_CLAIM_UPTO_POSTGRESQL = text(
-    f"WITH {CLAIM_UPTO_POSTGRESQL_CTES}"
-    f"SELECT {CLAIM_UPTO_POSTGRESQL_OUTCOME}{CLAIM_UPTO_POSTGRESQL_JOINS}"
-)
-
-
-class ClaimedRow(NamedTuple):
-    """The columns of ``CLAIM_UPTO_POSTGRESQL_OUTCOME`` as the driver returns them, in order."""
-
-    name: str
-    token: int | None
-    holder: str | None
-    expires_at: datetime | None
-    tick: datetime | None
-    early: bool
-    open: bool
-
-
-# A batch release locks its rows in name order, so that no two statements
-# that wait for row locks can wait on each other in a cycle (a claim never
-# waits: SKIP LOCKED); ``held`` is the (name, token) pairs to release, and
-# ``name = ANY(:p_names)`` is there for the planner, as in the claim.
-RELEASE_MANY_POSTGRESQL_CTES = """
-    held AS (
-        SELECT h.name, h.token
-        FROM unnest(CAST(:p_names AS varchar[]), CAST(:p_tokens AS bigint[])) AS h (name, token)
-    ),
-    locked AS (
-        SELECT l.name FROM sweep_leases AS l JOIN held AS h ON l.name = h.name
-        WHERE l.namespace = :p_namespace
-          AND l.name = ANY(CAST(:p_names AS varchar[]))
-        ORDER BY l.name
-        FOR UPDATE OF l
-    )
-"""
-RELEASE_MANY_POSTGRESQL_UPDATE = """
-    UPDATE sweep_leases AS l
-    SET expires_at = statement_timestamp()
-    FROM held AS h
-    WHERE l.namespace = :p_namespace
-      AND l.name = ANY(CAST(:p_names AS varchar[]))
-      AND l.name = h.name
-      AND l.name IN (SELECT name FROM locked)
-      AND l.holder = :p_holder
-      AND l.fencing_token = h.token
-    RETURNING l.name
-"""
-_RELEASE_MANY_POSTGRESQL = text(
-    f"WITH {RELEASE_MANY_POSTGRESQL_CTES}{RELEASE_MANY_POSTGRESQL_UPDATE}"
-)
-
-
 @dataclass(frozen=True)
 class LeaseRow:
     namespace: str
@@ -234,7 +111,7 @@ class LeaseRow:
     fencing_token: int
 
 
-class _Statements:
+class LeaseStatements:
     """Every lease statement, built once per dialect with bind parameters.
 
     Building a Core statement and its cache key costs more client CPU than
@@ -276,23 +153,6 @@ class _Statements:
         self.claim_any = claim_any if mysql else claim_any.returning(t.fencing_token)
         early = tick > db_now_plus(bindparam("p_tolerance", type_=BigInteger()))
         self.explain = select(t.holder, t.expires_at, t.tick, early.label("early")).where(key)
-        # PostgreSQL runs an UPDATE inside WITH, so a claim and the reading
-        # that explains its loss travel as one statement: a lost claim, two of
-        # every three in a cluster of three, costs one round trip, not two.
-        # The SELECT reads the row as it was before the UPDATE; that is the
-        # row that explains the loss, except when a racing claim committed
-        # while this UPDATE waited for its lock (then the row read still looks
-        # free, and the loss is reported as lease_held).
-        self.claim_explained = None
-        if dialect == "postgresql":
-            won = self.claim_tick.cte("won")
-            self.claim_explained = select(
-                select(won.c.fencing_token).scalar_subquery().label("token"),
-                t.holder,
-                t.expires_at,
-                t.tick,
-                early.label("early"),
-            ).where(key)
         self.skewed = select(early)
         self.insert = insert(sweep_leases).values(
             namespace=bindparam("p_namespace"),
@@ -323,16 +183,6 @@ class _Statements:
         # MySQL's UPDATE returns no rows: the leases still held are read after it.
         self.still_held = select(t.name).where(ours, t.expires_at > db_now())
         self.release = update(sweep_leases).where(mine).values(expires_at=db_now())
-        # SQLite only (PostgreSQL's locks its rows in order, MySQL's UPDATE
-        # returns nothing): the releases of one close as one statement. SQLite
-        # has one writer at a time, so no row order is needed; the names it
-        # returns are the leases this holder still had under those tokens.
-        self.release_many_sqlite = (
-            update(sweep_leases)
-            .where(t.namespace == bindparam("p_namespace"), t.holder == bindparam("p_holder"), held)
-            .values(expires_at=db_now())
-            .returning(t.name)
-        )
         self.read = select(sweep_leases).where(key)
 
 
@@ -356,16 +206,7 @@ class LeaseStore:
         self.namespace = namespace
         self.clock_tolerance = clock_tolerance
         self._mysql = engine.dialect.name == "mysql"
-        self._sql = _Statements(engine.dialect.name)
-        if engine.dialect.name == "postgresql":
-            # The batch statements run on the driver's cursor, which alone can
-            # choose, per run, whether psycopg prepares them (``prepare_for``).
-            self._claim_upto_sql = str(_CLAIM_UPTO_POSTGRESQL.compile(dialect=engine.dialect))
-            self._release_many_sql = str(_RELEASE_MANY_POSTGRESQL.compile(dialect=engine.dialect))
-        if engine.dialect.name == "sqlite":
-            self._claim_in = DriverStatement(self._sql.claim_tick, engine.dialect)
-            self._explain_in = DriverStatement(self._sql.explain, engine.dialect)
-            self._time_in, self._time_out = driver_times(engine.dialect)
+        self.sql = LeaseStatements(engine.dialect.name)
 
     def _params(self, name: str, **more: Any) -> dict[str, Any]:
         return {"p_namespace": self.namespace, "p_name": name, **more}
@@ -380,37 +221,31 @@ class LeaseStore:
         params = self._params(
             name,
             p_holder=holder,
-            p_micros=ttl // _MICRO,
+            p_micros=ttl // MICRO,
             p_tick=tick,
-            p_tolerance=self.clock_tolerance // _MICRO,
+            p_tolerance=self.clock_tolerance // MICRO,
         )
-        statement = self._sql.claim_any if tick is None else self._sql.claim_tick
+        statement = self.sql.claim_any if tick is None else self.sql.claim_tick
         try:
             with self.engine.connect() as connection:
-                if tick is not None and self._sql.claim_explained is not None:
-                    row = connection.execute(self._sql.claim_explained, params).first()
-                    if row is not None and row.token is not None:
-                        return Won(token=int(row.token), holder=holder, tick=tick)
-                    lost = None if row is None else _reason(row, tick)
+                result = connection.execute(statement, params)
+                if self._mysql:
+                    if result.rowcount == 1:
+                        return Won(token=int(result.lastrowid), holder=holder, tick=tick)
                 else:
-                    result = connection.execute(statement, params)
-                    if self._mysql:
-                        if result.rowcount == 1:
-                            return Won(token=int(result.lastrowid), holder=holder, tick=tick)
-                    else:
-                        token = result.scalar()
-                        if token is not None:
-                            return Won(token=int(token), holder=holder, tick=tick)
-                    lost = self._explain(connection, tick, params)
+                    token = result.scalar()
+                    if token is not None:
+                        return Won(token=int(token), holder=holder, tick=tick)
+                lost = self._explain(connection, tick, params)
                 if lost is not None:
                     return lost
-                if tick is not None and connection.execute(self._sql.skewed, params).scalar():
+                if tick is not None and connection.execute(self.sql.skewed, params).scalar():
                     return Lost("clock_skew", None, None, tick)
                 # No row at all: this is the sweep's first claim ever. A
                 # duplicate key means another replica inserted it first, the
                 # one error that means "lost the race" and not "broken".
                 try:
-                    connection.execute(self._sql.insert, params)
+                    connection.execute(self.sql.insert, params)
                 except DBAPIError as error:
                     if not is_duplicate_key(error):
                         raise
@@ -425,121 +260,29 @@ class LeaseStore:
         self, connection: Any, tick: datetime | None, params: dict[str, Any]
     ) -> Lost | None:
         """Why the UPDATE changed nothing, or None when there is no row yet."""
-        row = connection.execute(self._sql.explain, params).first()
-        return None if row is None else _reason(row, tick)
+        row = connection.execute(self.sql.explain, params).first()
+        return None if row is None else why_lost(row, tick)
 
     def claim_upto(
         self, holder: str, wants: list[Want], limit: int
     ) -> list[Claim | StoreError | None]:
-        """Claim at most ``limit`` of ``wants``, preferring them in order; results in that order.
+        """Claim ``wants`` one at a time, in order, until ``limit`` are won; results in
+        that order.
 
         Each result is what ``claim`` would say, a ``StoreError`` for a want
-        that failed on its own, or None: not decided, ask again. On PostgreSQL
-        the scheduled ticks are one statement (a failure fails them all and
-        claims none) and a want is undecided when its row was open but beyond
-        the limit or busy at that instant. Elsewhere the wants are claimed one
-        at a time until ``limit`` are won, and the rest are undecided. A want
-        for a name asked for earlier in the batch is undecided too.
+        that failed on its own, or None: not decided (beyond the limit, or a
+        name asked for earlier in the batch), ask again. The daemon's batches
+        of scheduled ticks go through its tick store (``sweepd.store``), which
+        claims them in one statement where the dialect allows.
         """
         results: list[Claim | StoreError | None] = [None] * len(wants)
-        unique = first_of_each([want.name for want in wants])
-        if len(unique) < len(wants):
-            claims = self.claim_upto(holder, [wants[i] for i in unique], limit)
-            for i, claim in zip(unique, claims, strict=True):
-                results[i] = claim
-            return results
-        single = list(range(len(wants)))  # the wants left to claim one at a time
-        if self.engine.dialect.name == "postgresql":
-            batch = [i for i, want in enumerate(wants) if want.tick is not None]
-            found, unseen = self._claim_upto_postgresql(holder, [wants[i] for i in batch], limit)
-            for i, result in zip(batch, found, strict=True):
-                results[i] = result
-            # Left: manual runs, and first claims (no row yet: the single claim inserts it).
-            single = [i for i in single if wants[i].tick is None or wants[i].name in unseen]
-        won = sum(isinstance(result, Won) for result in results)
-        for i in single:
+        won = 0
+        for i in first_of_each([want.name for want in wants]):
             if won >= limit:
                 break
-            claimed = self._claim_or_fault(holder, wants[i])
-            results[i] = claimed
-            won += isinstance(claimed, Won)
+            results[i] = self._claim_or_fault(holder, wants[i])
+            won += isinstance(results[i], Won)
         return results
-
-    def _claim_upto_postgresql(
-        self, holder: str, wants: list[Want], limit: int
-    ) -> tuple[list[Claim | None], set[str]]:
-        """The statement's results, and the names that have no lease row yet."""
-        if not wants:
-            return [], set()
-        params = self.claim_upto_params(holder, wants, limit)
-        prepare = prepare_for(len(wants))
-        try:
-            with self.engine.connect() as connection:
-                found = driver_rows(connection, self._claim_upto_sql, params, prepare=prepare)
-        except SQLAlchemyError as error:
-            raise store_fault("lease claim", wants[0].name, self.engine, error) from error
-        rows = {row.name: row for row in (ClaimedRow(*values) for values in found)}
-        results = [claim_outcome(rows[want.name], holder, want.tick) for want in wants]
-        unseen = {want.name for want in wants if rows[want.name].holder is None}
-        return results, unseen
-
-    def claim_in(
-        self, cursor: Any, holder: str, wants: list[Want], limit: int
-    ) -> tuple[list[Claim | None], set[str]]:
-        """SQLite: claim at most ``limit`` of ``wants`` (scheduled ticks), in order, on
-        a driver cursor inside the caller's write transaction (``sqlite_write``).
-
-        The caller writes its run rows in the same transaction, so a tick is
-        never claimed without its row, and the batch pays one commit. Each
-        want is one short statement, run in-process: around a single claim,
-        SQLAlchemy's layers cost several times the statement. None: not
-        decided, being beyond the limit or without a row yet; those names
-        are returned, for the single claim to insert.
-        """
-        results: list[Claim | None] = []
-        unseen: set[str] = set()
-        won = 0
-        tolerance = self.clock_tolerance // _MICRO
-        for want in wants:
-            if won >= limit:
-                results.append(None)
-                continue
-            params = self._claim_in.params(
-                p_namespace=self.namespace,
-                p_name=want.name,
-                p_holder=holder,
-                p_micros=want.ttl // _MICRO,
-                p_tick=self._time_in(want.tick),
-                p_tolerance=tolerance,
-            )
-            cursor.execute(self._claim_in.sql, params)
-            row = cursor.fetchone()
-            if row is not None:
-                won += 1
-                results.append(Won(token=int(row[0]), holder=holder, tick=want.tick))
-                continue
-            cursor.execute(self._explain_in.sql, params)
-            found = cursor.fetchone()
-            if found is None:
-                unseen.add(want.name)
-                results.append(None)
-                continue
-            lease_holder, expires_at, tick, early = found
-            seen = _Seen(lease_holder, self._time_out(expires_at), self._time_out(tick), early)
-            results.append(_reason(seen, want.tick))
-        return results, unseen
-
-    def claim_upto_params(self, holder: str, wants: list[Want], limit: int) -> dict[str, Any]:
-        """The bind parameters of ``CLAIM_UPTO_POSTGRESQL_CTES``."""
-        return {
-            "p_namespace": self.namespace,
-            "p_holder": holder,
-            "p_names": pg_array(want.name for want in wants),
-            "p_ticks": pg_array(want.tick for want in wants),
-            "p_micros": pg_array(want.ttl // _MICRO for want in wants),
-            "p_tolerance": self.clock_tolerance // _MICRO,
-            "p_limit": limit,
-        }
 
     def _claim_or_fault(self, holder: str, want: Want) -> Claim | StoreError:
         try:
@@ -554,10 +297,10 @@ class LeaseStore:
         was claimed by another has an old token, and must not extend the
         new holder's lease.
         """
-        params = self._params(name, p_holder=holder, p_token=token, p_micros=ttl // _MICRO)
+        params = self._params(name, p_holder=holder, p_token=token, p_micros=ttl // MICRO)
         try:
             with self.engine.connect() as connection:
-                return bool(connection.execute(self._sql.renew, params).rowcount == 1)
+                return bool(connection.execute(self.sql.renew, params).rowcount == 1)
         except SQLAlchemyError as error:
             raise store_fault("lease renew", name, self.engine, error) from error
 
@@ -575,11 +318,11 @@ class LeaseStore:
                         "p_namespace": self.namespace,
                         "p_holder": holder,
                         "p_held": leases,
-                        "p_micros": ttl // _MICRO,
+                        "p_micros": ttl // MICRO,
                     }
-                    found = connection.execute(self._sql.renew_many, params)
+                    found = connection.execute(self.sql.renew_many, params)
                     if self._mysql:
-                        found = connection.execute(self._sql.still_held, params)
+                        found = connection.execute(self.sql.still_held, params)
                     renewed.update(found.scalars())
         except SQLAlchemyError as error:
             first = held[0][0] if held else None
@@ -596,7 +339,7 @@ class LeaseStore:
         params = self._params(name, p_holder=holder, p_token=token)
         try:
             with self.engine.connect() as connection:
-                return bool(connection.execute(self._sql.release, params).rowcount == 1)
+                return bool(connection.execute(self.sql.release, params).rowcount == 1)
         except SQLAlchemyError:
             return False
 
@@ -609,40 +352,24 @@ class LeaseStore:
 
     def release_each(self, holder: str, held: list[tuple[str, int]]) -> list[bool]:
         """Per (name, token) lease of ``holder``, whether it was freed; a fault
-        raises ``StoreError``, saying why, for a caller that retries.
-
-        One statement on PostgreSQL (rows locked in name order) and SQLite;
-        one release each on MySQL/MariaDB, whose UPDATE returns no rows.
-        """
-        dialect = self.engine.dialect.name
-        params: dict[str, Any] = {"p_namespace": self.namespace, "p_holder": holder}
+        raises ``StoreError``, saying why, for a caller that retries. One
+        statement each, on one connection: a batch's releases go with its
+        rows, in the tick store's close."""
         name = held[0][0] if held else None  # the one a fault is reported for
-        freed: set[str] = set()
+        freed: list[bool] = []
         try:
             with self.engine.connect() as connection:
-                if len(held) < 2 or dialect == "mysql":
-                    for name, token in held:
-                        mine = self._params(name, p_holder=holder, p_token=token)
-                        if connection.execute(self._sql.release, mine).rowcount == 1:
-                            freed.add(name)
-                elif dialect == "postgresql":
-                    params["p_names"] = pg_array(name for name, _ in held)
-                    params["p_tokens"] = pg_array(token for _, token in held)
-                    rows = driver_rows(
-                        connection, self._release_many_sql, params, prepare=prepare_for(len(held))
-                    )
-                    freed = {name for (name,) in rows}
-                else:
-                    params["p_held"] = held
-                    freed = set(connection.execute(self._sql.release_many_sqlite, params).scalars())
+                for name, token in held:
+                    mine = self._params(name, p_holder=holder, p_token=token)
+                    freed.append(connection.execute(self.sql.release, mine).rowcount == 1)
         except SQLAlchemyError as error:
             raise store_fault("lease release", name, self.engine, error) from error
-        return [name in freed for name, _ in held]
+        return freed
 
     def read(self, name: str) -> LeaseRow | None:
         try:
             with self.engine.connect() as connection:
-                row = connection.execute(self._sql.read, self._params(name)).first()
+                row = connection.execute(self.sql.read, self._params(name)).first()
         except SQLAlchemyError as error:
             raise store_fault("lease read", name, self.engine, error) from error
         return None if row is None else LeaseRow(**row._mapping)
@@ -675,36 +402,7 @@ def first_of_each(names: list[str]) -> list[int]:
     return first
 
 
-def claim_outcome(row: Any, holder: str, tick: datetime | None) -> Claim | None:
-    """One wanted tick's outcome from a ``CLAIM_UPTO_POSTGRESQL_OUTCOME`` row.
-
-    None: not decided, because the lease has no row yet (a first claim,
-    which the single claim makes) or its row was open but beyond the limit
-    or busy at that instant (ask again).
-    """
-    if row.token is not None:
-        return Won(token=int(row.token), holder=holder, tick=tick)
-    if row.holder is None or (row.open and not row.early):
-        return None
-    lost = _reason(row, tick)
-    # The driver gives timestamptz in the session's time zone; sweepd speaks UTC.
-    return Lost(lost.reason, lost.holder, _utc(lost.expires_at), _utc(lost.tick))
-
-
-def _utc(value: datetime | None) -> datetime | None:
-    return None if value is None else value.astimezone(UTC)
-
-
-class _Seen(NamedTuple):
-    """A lease row as a lost claim found it, read on a driver cursor."""
-
-    holder: str
-    expires_at: datetime | None
-    tick: datetime | None
-    early: bool
-
-
-def _reason(row: Any, tick: datetime | None) -> Lost:
+def why_lost(row: Any, tick: datetime | None) -> Lost:
     """Why a claim of ``tick`` lost, from the lease row as the claim found it."""
     if tick is not None and row.tick is not None and row.tick >= tick:
         return Lost("already_run", row.holder, row.expires_at, row.tick)

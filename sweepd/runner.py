@@ -27,14 +27,14 @@ from sweepd.clock import Clock, Timer
 from sweepd.context import SweepContext
 from sweepd.durations import format_duration
 from sweepd.errors import StoreError
-from sweepd.history import History, Status, Trigger, describe_error
+from sweepd.history import History, Start, Status, Trigger, describe_error
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.metrics import Metrics
 from sweepd.model import SweepDef
 from sweepd.offload import Batcher, bounded
 from sweepd.slots import Peers, Slots
+from sweepd.store import Ask, Closed, Hand, Opened, Row, Started, TickStore, tick_store
 from sweepd.tasks import spawn
-from sweepd.ticks import Ask, Closed, Hand, Opened, Row, Started, TickStore
 
 CancelReason = Literal["timeout", "lost", "cancelled"]
 
@@ -108,7 +108,7 @@ class Runner:
         concurrency: int = 4,
         metrics: Metrics | None = None,
     ) -> None:
-        self.store, self.history, self.holder = store, history, holder
+        self.holder = holder
         self.clock, self.log, self.stats = clock, log, stats
         self.metrics = metrics or Metrics()
         # False after a lease was lost to an outage: the replica claims nothing
@@ -120,11 +120,11 @@ class Runner:
         self.unreleased: dict[str, int] = {}  # leases whose release failed: name -> token
         self._probing: asyncio.Task[None] | None = None
         self._settling: asyncio.Task[None] | None = None
-        self.ticks = TickStore(store, history, holder)
+        self.ticks = tick_store(store, history, holder)
         self.peers = Peers(clock.monotonic)
         self._slots: Slots[Ask, Opened] = Slots(
             concurrency,
-            self.ticks.open_upto,
+            self.ticks.open,
             holds=lambda opened: isinstance(opened.claim, Won),
             share=self.peers.share,
             orphaned=self._orphaned,
@@ -132,10 +132,8 @@ class Runner:
             stats=stats,
             log=log,
         )
-        self._closes = Batcher(self.ticks.close_many, gather=CLOSE_GATHER_SECONDS, clock=clock)
-        self.renewals = Renewals(
-            store, holder, clock, on_lost=self._lose, on_error=self._renew_failed
-        )
+        self._closes = Batcher(self.ticks.close, gather=CLOSE_GATHER_SECONDS, clock=clock)
+        self.renewals = Renewals(self.ticks, clock, on_lost=self._lose, on_error=self._renew_failed)
 
     # -- one tick ----------------------------------------------------------------------
 
@@ -283,14 +281,14 @@ class Runner:
     ) -> Started:
         try:
             return await bounded(
-                self.history.start, sweep.name, tick, self.holder, token, attempt, trigger
+                self.ticks.start, Start(sweep.name, tick, self.holder, token, attempt, trigger)
             )
         except StoreError as error:
             return str(error)
 
     async def _finish(self, ended: Ended) -> None:
         try:
-            await bounded(self.history.finish, *ended.row())
+            await bounded(self.ticks.finish, ended.row())
         except StoreError as error:
             self._finished(ended, str(error))
         else:
@@ -468,13 +466,8 @@ class Runner:
         if attempt.run_id is None:
             return
         try:
-            await bounded(
-                self.history.finish,
-                attempt.run_id,
-                attempt.sweep.name,
-                "timeout",
-                _reason_text(attempt),
-            )
+            ending = (attempt.run_id, attempt.sweep.name, "timeout", _reason_text(attempt))
+            await bounded(self.ticks.finish, ending)
         except StoreError as error:
             # The close writes it when the thread returns, or a settle after that.
             self._record_failed(attempt.ctx.logger, "timeout", str(error))
@@ -526,7 +519,7 @@ class Runner:
     async def _probe(self) -> None:
         while True:
             try:
-                await bounded(self.store.now)
+                await bounded(self.ticks.now)
             except StoreError as error:
                 self.log.warning("store.unavailable", error=str(error))
                 await self.clock.sleep(1.0)
@@ -554,9 +547,9 @@ class Runner:
 
     async def _settle(self) -> None:
         for ending in list(self.unfinished):
-            run_id, name, status, message = ending
+            run_id, name, status, _ = ending
             try:
-                await bounded(self.history.finish, run_id, name, status, message)
+                await bounded(self.ticks.finish, ending)
             except StoreError as error:
                 self.log.warning(
                     "run.record_failed", operation="finish", late=True, error=str(error)
@@ -570,7 +563,7 @@ class Runner:
         # by another replica meanwhile has a new token, and is left alone.
         held = list(self.unreleased.items())
         try:
-            freed = await bounded(self.store.release_each, self.holder, held)
+            freed = await bounded(self.ticks.release, held)
         except StoreError as error:
             self.log.warning("lease.release_failed", late=True, error=str(error))
             return
@@ -611,14 +604,13 @@ class Renewals:
 
     def __init__(
         self,
-        store: LeaseStore,
-        holder: str,
+        ticks: TickStore,
         clock: Clock,
         *,
         on_lost: Callable[[Held, str], None],
         on_error: Callable[[StoreError, int], None],
     ) -> None:
-        self.store, self.holder, self.clock = store, holder, clock
+        self.ticks, self.clock = ticks, clock
         self.on_lost, self.on_error = on_lost, on_error
         self._held: dict[str, Held] = {}
         self._timer: Timer | None = None  # the next beat, set while any lease is held
@@ -662,7 +654,7 @@ class Renewals:
         leases = [(h.sweep.name, h.token, h.sweep.ttl) for h in due]
         try:
             # Bounded well inside the margin: a hung renewal is a failed one.
-            renewed = await bounded(self.store.renew_many, self.holder, leases, timeout=period / 4)
+            renewed = await bounded(self.ticks.renew, leases, timeout=period / 4)
         except StoreError as error:
             self.on_error(error, len(due))
             failed_at = self.clock.monotonic()

@@ -26,7 +26,7 @@ from sweepd.history import History
 from sweepd.lease import LeaseStore, Lost, Want, Won
 from sweepd.model import SweepDef
 from sweepd.schedule import Every
-from sweepd.ticks import Ask, Closed, Hand, Opened, TickStore
+from sweepd.store import Ask, Closed, Hand, Opened, TickStore, tick_store
 
 MakeDatabase = Callable[[str], str]
 NAMESPACE = "ticks"
@@ -65,12 +65,12 @@ def engines() -> Iterator[Callable[[str], Engine]]:
 
 
 def ticks_of(engine: Engine, holder: str) -> TickStore:
-    return TickStore(LeaseStore(engine, NAMESPACE), History(engine, NAMESPACE), holder)
+    return tick_store(LeaseStore(engine, NAMESPACE), History(engine, NAMESPACE), holder)
 
 
 def open_all(store: TickStore, n: int) -> list[Opened]:
     """Open tick ``n`` of every sweep; each must be decided."""
-    found = store.open_upto([Ask(sweep, tick(n), "schedule") for sweep in SWEEPS], len(SWEEPS))
+    found = store.open([Ask(sweep, tick(n), "schedule") for sweep in SWEEPS], len(SWEEPS))
     assert all(isinstance(opened, Opened) for opened in found), found
     return [opened for opened in found if isinstance(opened, Opened)]
 
@@ -81,7 +81,7 @@ def close_all(store: TickStore, opened: list[Opened]) -> list[object]:
         assert isinstance(one.claim, Won)
         assert isinstance(one.started, int)
         hands.append(Hand(sweep.name, one.claim.token, (one.started, sweep.name, "success", None)))
-    return list(store.close_many(hands))
+    return list(store.close(hands))
 
 
 def released(engine: Engine) -> bool:
@@ -204,7 +204,7 @@ def test_a_stopped_server_fails_opens_and_closes_loudly_and_the_pool_recovers(
 
         proxy.stop()  # closes the pooled connection under the store
         with pytest.raises(StoreError, match="lease claim for 'sweep-0' failed") as raised:
-            store.open_upto([Ask(SWEEPS[0], tick(3), "schedule")], 1)
+            store.open([Ask(SWEEPS[0], tick(3), "schedule")], 1)
         assert raised.value.transient
         failed = close_all(store, opened)
         assert all(isinstance(f, Closed) and "run finish" in str(f.row_error) for f in failed)
@@ -249,14 +249,14 @@ def test_a_batch_explains_each_tick_it_does_not_win_and_leaves_the_rest_undecide
 ) -> None:
     _, a, b = after_one_tick(dialect, make_database, engines)
     held, ran, early = SWEEPS
-    [holding] = b.open_upto([Ask(held, tick(2), "schedule")], 1)  # b holds it, still running
-    [newer] = b.open_upto([Ask(ran, tick(3), "schedule")], 1)
+    [holding] = b.open([Ask(held, tick(2), "schedule")], 1)  # b holds it, still running
+    [newer] = b.open([Ask(ran, tick(3), "schedule")], 1)
     assert isinstance(holding, Opened) and isinstance(newer, Opened)
     assert isinstance(newer.claim, Won) and isinstance(newer.started, int)
-    b.close_many([Hand(ran.name, newer.claim.token, (newer.started, ran.name, "success", None))])
+    b.close([Hand(ran.name, newer.claim.token, (newer.started, ran.name, "success", None))])
     future = datetime.now(UTC) + timedelta(hours=1)
 
-    found = a.open_upto(
+    found = a.open(
         [
             Ask(held, tick(5), "schedule"),
             Ask(ran, tick(2), "schedule"),
@@ -278,10 +278,10 @@ def test_a_batch_explains_each_tick_it_does_not_win_and_leaves_the_rest_undecide
     assert already_run.expires_at.tzinfo is not None
 
     # Two open ticks and a limit of one: the second is not decided, and stays unclaimed.
-    first, second = a.open_upto([Ask(ran, tick(4), "schedule"), Ask(early, tick(4), "schedule")], 1)
+    first, second = a.open([Ask(ran, tick(4), "schedule"), Ask(early, tick(4), "schedule")], 1)
     assert isinstance(first, Opened) and first.claim == Won(3, "a", tick(4))
     assert second is None
-    [later] = a.open_upto([Ask(early, tick(4), "schedule")], 1)
+    [later] = a.open([Ask(early, tick(4), "schedule")], 1)
     assert isinstance(later, Opened) and later.claim == Won(2, "a", tick(4))
 
 
@@ -332,7 +332,7 @@ def test_a_batch_whose_rows_cannot_be_written_claims_nothing(
             )
 
     with pytest.raises(StoreError, match="no rows today"):
-        store.open_upto([Ask(sweep, tick(2), "schedule") for sweep in SWEEPS], len(SWEEPS))
+        store.open([Ask(sweep, tick(2), "schedule") for sweep in SWEEPS], len(SWEEPS))
 
     with other.connect() as connection:
         leases = connection.execute(select(sweep_leases.c.fencing_token, sweep_leases.c.tick)).all()
@@ -364,16 +364,16 @@ def test_a_large_batch_is_planned_for_its_own_arrays_and_a_small_one_is_prepared
         with engine.connect() as connection:
             connection.execute(sweep_leases.update().values(expires_at=T0))
 
-    store.open_upto([Ask(sweep, tick(0), "schedule") for sweep in many], len(many))  # first claims
+    store.open([Ask(sweep, tick(0), "schedule") for sweep in many], len(many))  # first claims
     for n in range(1, 11):
         expire_all()
-        found = store.open_upto([Ask(sweep, tick(n), "schedule") for sweep in many], len(many))
+        found = store.open([Ask(sweep, tick(n), "schedule") for sweep in many], len(many))
         assert all(isinstance(o, Opened) and isinstance(o.claim, Won) for o in found)
     # psycopg prepares a statement at its fifth run; ten runs of the large batch were not.
     assert prepared_opens() == 0
     for n in range(11, 21):
         expire_all()
-        [opened] = store.open_upto([Ask(many[0], tick(n), "schedule")], 1)
+        [opened] = store.open([Ask(many[0], tick(n), "schedule")], 1)
         assert isinstance(opened, Opened) and isinstance(opened.claim, Won)
     assert prepared_opens() == 1
 
@@ -386,7 +386,7 @@ def test_two_asks_for_one_sweep_in_one_batch_never_both_win(
     _, a, _ = after_one_tick(dialect, make_database, engines)
     sweep, other, _ = SWEEPS
     asks = [Ask(sweep, tick(2), "schedule"), Ask(other, tick(2), "schedule")]
-    found = a.open_upto([*asks, Ask(sweep, tick(3), "schedule")], 3)
+    found = a.open([*asks, Ask(sweep, tick(3), "schedule")], 3)
     assert [type(f) for f in found] == [Opened, Opened, type(None)]
     won = [f for f in found if isinstance(f, Opened) and isinstance(f.claim, Won)]
     assert len(won) == 2 and len({f.started for f in won}) == 2  # one row each

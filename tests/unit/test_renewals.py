@@ -31,7 +31,7 @@ def sweep(name: str, ttl: timedelta = TTL) -> SweepDef:
 
 
 class Store:
-    """A fake ``renew_many``: every lease is still held unless named in ``gone``."""
+    """A fake tick store's ``renew``: every lease is still held unless named in ``gone``."""
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
@@ -39,7 +39,7 @@ class Store:
         self.fail = False
         self.hold_up: threading.Event | None = None  # set: the call may return
 
-    def renew_many(self, holder: str, held: list[tuple[str, int, timedelta]]) -> set[str]:
+    def renew(self, held: list[tuple[str, int, timedelta]]) -> set[str]:
         self.calls.append([name for name, _, _ in held])
         if self.hold_up is not None:
             self.hold_up.wait(5)
@@ -56,7 +56,6 @@ class Rig:
         self.errors = 0
         self.renewals = Renewals(
             self.store,  # type: ignore[arg-type]
-            "me",
             self.clock,
             on_lost=self._lost,
             on_error=self._error,
