@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
-from sqlalchemy import Engine, bindparam, delete, insert, select, update
+from sqlalchemy import Engine, and_, bindparam, delete, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from sweepd.db.engine import db_now, retry_deadlocks, store_fault
@@ -67,6 +67,7 @@ class RunStatements:
 
     def __init__(self) -> None:
         c = sweep_runs.c
+        running, namespace = c.status == "running", c.namespace == bindparam("p_namespace")
         self.start = insert(sweep_runs).values(
             namespace=bindparam("p_namespace"),
             name=bindparam("p_name"),
@@ -78,36 +79,21 @@ class RunStatements:
             started_at=db_now(),
             status="running",
         )
+        self.start_returning = self.start.returning(c.id, sort_by_parameter_order=True)
         # Only a row still running changes: a row the next holder already
         # marked lost keeps saying so, and a retry after a deadlock is harmless.
-        self.finish = (
-            update(sweep_runs)
-            .where(c.id == bindparam("p_id"), c.status == "running")
-            .values(status=bindparam("p_status"), finished_at=db_now(), error=bindparam("p_error"))
-        )
-        self.start_returning = self.start.returning(c.id, sort_by_parameter_order=True)
-        self.stale_of = select(c.id, c.name, c.fencing_token).where(
-            c.namespace == bindparam("p_namespace"),
-            c.name.in_(bindparam("p_names", expanding=True)),
-            c.status == "running",
-        )
+        ending: dict[str, Any] = {"status": bindparam("p_status"), "error": bindparam("p_error")}
+        one = and_(c.id == bindparam("p_id"), running)
+        self.finish = update(sweep_runs).where(one).values(finished_at=db_now(), **ending)
+        names = c.name.in_(bindparam("p_names", expanding=True))
+        self.stale_of = select(c.id, c.name, c.fencing_token).where(namespace, names, running)
         lost = {"status": "lost", "finished_at": db_now(), "error": LOST_ERROR}
-        self.mark_lost = (
-            update(sweep_runs)
-            .where(c.id.in_(bindparam("p_ids", expanding=True)), c.status == "running")
-            .values(**lost)
-        )
+        ids = c.id.in_(bindparam("p_ids", expanding=True))
+        self.mark_lost = update(sweep_runs).where(ids, running).values(**lost)
         # One sweep's, for a driver cursor (SQLite), which cannot expand a list.
-        self.stale_of_one = select(c.id, c.fencing_token).where(
-            c.namespace == bindparam("p_namespace"),
-            c.name == bindparam("p_name"),
-            c.status == "running",
-        )
-        self.mark_lost_one = (
-            update(sweep_runs)
-            .where(c.id == bindparam("p_id"), c.status == "running")
-            .values(**lost)
-        )
+        name = c.name == bindparam("p_name")
+        self.stale_of_one = select(c.id, c.fencing_token).where(namespace, name, running)
+        self.mark_lost_one = update(sweep_runs).where(one).values(**lost)
 
 
 RUN_SQL = RunStatements()

@@ -121,69 +121,79 @@ class LeaseStatements:
 
     def __init__(self, dialect: str) -> None:
         mysql = dialect == "mysql"
+        self._claims(mysql)
+        self._holds(mysql)
+        self.read = select(sweep_leases).where(_KEY)
+
+    def _claims(self, mysql: bool) -> None:
         t = sweep_leases.c
-        key = and_(t.namespace == bindparam("p_namespace"), t.name == bindparam("p_name"))
-        ttl = db_now_plus(bindparam("p_micros", type_=BigInteger()))
-        tick = bindparam("p_tick", type_=UtcDateTime())
         # MySQL has no UPDATE ... RETURNING; LAST_INSERT_ID(expr) hands the
         # new token back in the same reply instead.
         token = func.last_insert_id(t.fencing_token + 1) if mysql else t.fencing_token + 1
         # The free test and the tick test are one WHERE, so racing replicas
         # cannot both pass it: the database serialises the UPDATE and exactly
         # one sees a row changed.
-        free = and_(key, t.expires_at <= db_now())
+        free = and_(_KEY, t.expires_at <= db_now())
         # A tick may be claimed at most CLOCK_TOLERANCE before it is due by the
         # database's clock. Without this, a replica whose clock runs ahead
         # claims tomorrow's ticks today, and every replica with a true clock
         # then skips them as "already run".
-        due = tick <= db_now_plus(bindparam("p_tolerance", type_=BigInteger()))
+        due = db_now_plus(bindparam("p_tolerance", type_=BigInteger())) >= _TICK
         claimed = {
             "holder": bindparam("p_holder"),
             "acquired_at": db_now(),
-            "expires_at": ttl,
+            "expires_at": _TTL,
             "fencing_token": token,
         }
         claim_tick = (
             update(sweep_leases)
-            .where(free, due, or_(t.tick.is_(None), t.tick < tick))
-            .values(tick=tick, **claimed)
+            .where(free, due, or_(t.tick.is_(None), t.tick < _TICK))
+            .values(tick=_TICK, **claimed)
         )
         claim_any = update(sweep_leases).where(free).values(**claimed)
         self.claim_tick = claim_tick if mysql else claim_tick.returning(t.fencing_token)
         self.claim_any = claim_any if mysql else claim_any.returning(t.fencing_token)
-        early = tick > db_now_plus(bindparam("p_tolerance", type_=BigInteger()))
-        self.explain = select(t.holder, t.expires_at, t.tick, early.label("early")).where(key)
+        early = db_now_plus(bindparam("p_tolerance", type_=BigInteger())) < _TICK
+        self.explain = select(t.holder, t.expires_at, t.tick, early.label("early")).where(_KEY)
         self.skewed = select(early)
         self.insert = insert(sweep_leases).values(
             namespace=bindparam("p_namespace"),
             name=bindparam("p_name"),
             holder=bindparam("p_holder"),
             acquired_at=db_now(),
-            expires_at=ttl,
-            tick=tick,
+            expires_at=_TTL,
+            tick=_TICK,
             fencing_token=1,
         )
-        mine = and_(key, t.holder == bindparam("p_holder"), t.fencing_token == bindparam("p_token"))
+
+    def _holds(self, mysql: bool) -> None:
+        t = sweep_leases.c
+        mine = and_(
+            _KEY, t.holder == bindparam("p_holder"), t.fencing_token == bindparam("p_token")
+        )
         # A renewal finds the lease only while it has not expired: one that
         # expired (a holder paused past its ttl) may have been claimed and run
         # by another replica already, so its holder must learn it lost it, and
         # a renewal that lands after the release must not take the lease back.
-        self.renew = (
-            update(sweep_leases).where(mine, t.expires_at > db_now()).values(expires_at=ttl)
-        )
+        live = t.expires_at > db_now()
+        self.renew = update(sweep_leases).where(mine, live).values(expires_at=_TTL)
         # The renewals of one replica's leases that share a ttl, as one statement.
         held = tuple_(t.name, t.fencing_token).in_(bindparam("p_held", expanding=True))
         ours = and_(
             t.namespace == bindparam("p_namespace"), t.holder == bindparam("p_holder"), held
         )
-        renew_many = (
-            update(sweep_leases).where(ours, t.expires_at > db_now()).values(expires_at=ttl)
-        )
+        renew_many = update(sweep_leases).where(ours, live).values(expires_at=_TTL)
         self.renew_many = renew_many if mysql else renew_many.returning(t.name)
         # MySQL's UPDATE returns no rows: the leases still held are read after it.
-        self.still_held = select(t.name).where(ours, t.expires_at > db_now())
+        self.still_held = select(t.name).where(ours, live)
         self.release = update(sweep_leases).where(mine).values(expires_at=db_now())
-        self.read = select(sweep_leases).where(key)
+
+
+_KEY = and_(
+    sweep_leases.c.namespace == bindparam("p_namespace"), sweep_leases.c.name == bindparam("p_name")
+)
+_TTL = db_now_plus(bindparam("p_micros", type_=BigInteger()))
+_TICK = bindparam("p_tick", type_=UtcDateTime())
 
 
 class LeaseStore:
@@ -241,20 +251,23 @@ class LeaseStore:
                     return lost
                 if tick is not None and connection.execute(self.sql.skewed, params).scalar():
                     return Lost("clock_skew", None, None, tick)
-                # No row at all: this is the sweep's first claim ever. A
-                # duplicate key means another replica inserted it first, the
-                # one error that means "lost the race" and not "broken".
-                try:
-                    connection.execute(self.sql.insert, params)
-                except DBAPIError as error:
-                    if not is_duplicate_key(error):
-                        raise
-                    return self._explain(connection, tick, params) or Lost(
-                        "lease_held", None, None, None
-                    )
-                return Won(token=1, holder=holder, tick=tick)
+                return self._first_claim(connection, holder, tick, params)
         except SQLAlchemyError as error:
             raise store_fault("lease claim", name, self.engine, error) from error
+
+    def _first_claim(
+        self, connection: Any, holder: str, tick: datetime | None, params: dict[str, Any]
+    ) -> Claim:
+        """No row at all: the sweep's first claim ever. A duplicate key means
+        another replica inserted it first, the one error that means "lost the
+        race" and not "broken"."""
+        try:
+            connection.execute(self.sql.insert, params)
+        except DBAPIError as error:
+            if not is_duplicate_key(error):
+                raise
+            return self._explain(connection, tick, params) or Lost("lease_held", None, None, None)
+        return Won(token=1, holder=holder, tick=tick)
 
     def _explain(
         self, connection: Any, tick: datetime | None, params: dict[str, Any]

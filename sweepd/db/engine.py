@@ -83,32 +83,8 @@ def make_engine(
         options["isolation_level"] = "AUTOCOMMIT"
         # Nothing to roll back in autocommit; PyMySQL would spend a round trip on it.
         options["skip_autocommit_rollback"] = True
-    if backend == "postgresql":
-        options["connect_args"] = {
-            "connect_timeout": seconds,
-            "application_name": "sweepd",
-            # Server-side bounds: a statement blocked on a lock or a slow plan
-            # is cancelled by the server and raises, instead of waiting forever.
-            # lock_timeout a little below, so a blocked claim says it was a lock.
-            "options": f"-c statement_timeout={seconds * 1000} -c lock_timeout={seconds * 1000 - 100}",
-            # A dead host or a cut network: TCP itself gives up within a few
-            # seconds instead of the kernel's default of many minutes.
-            "keepalives": 1,
-            "keepalives_idle": seconds,
-            "keepalives_interval": 1,
-            "keepalives_count": 3,
-            "tcp_user_timeout": seconds * 2000,
-        }
-    elif backend == "mysql":
-        options["connect_args"] = {
-            "connect_timeout": seconds,
-            # Client-side bounds: PyMySQL gives up on a server that stops answering.
-            "read_timeout": seconds * 2,
-            "write_timeout": seconds * 2,
-            "init_command": f"SET SESSION time_zone = '+00:00', innodb_lock_wait_timeout = {seconds}",
-        }
-    elif backend == "sqlite":
-        options["connect_args"] = {"timeout": seconds}
+    options["connect_args"] = _connect_args(backend, seconds)
+    if backend == "sqlite":
         _check_sqlite_folder(parsed)
     try:
         engine = create_engine(parsed, **options)
@@ -123,6 +99,35 @@ def make_engine(
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_on_connect(seconds))
     return engine
+
+
+def _connect_args(backend: str, seconds: int) -> dict[str, Any]:
+    """The driver's own bounds on connecting and on every statement."""
+    if backend == "postgresql":
+        return {
+            "connect_timeout": seconds,
+            "application_name": "sweepd",
+            # Server-side bounds: a statement blocked on a lock or a slow plan
+            # is cancelled by the server and raises, instead of waiting forever.
+            # lock_timeout a little below, so a blocked claim says it was a lock.
+            "options": f"-c statement_timeout={seconds * 1000} -c lock_timeout={seconds * 1000 - 100}",
+            # A dead host or a cut network: TCP itself gives up within a few
+            # seconds instead of the kernel's default of many minutes.
+            "keepalives": 1,
+            "keepalives_idle": seconds,
+            "keepalives_interval": 1,
+            "keepalives_count": 3,
+            "tcp_user_timeout": seconds * 2000,
+        }
+    if backend == "mysql":
+        return {
+            "connect_timeout": seconds,
+            # Client-side bounds: PyMySQL gives up on a server that stops answering.
+            "read_timeout": seconds * 2,
+            "write_timeout": seconds * 2,
+            "init_command": f"SET SESSION time_zone = '+00:00', innodb_lock_wait_timeout = {seconds}",
+        }
+    return {"timeout": seconds}  # SQLite's busy wait
 
 
 def _check_sqlite_folder(url: URL) -> None:
