@@ -1,16 +1,17 @@
-"""Engines and the helpers the stores share to run SQL on them.
+"""Engines, and what every store needs to run SQL on them.
 
 ``make_engine`` turns a URL into an engine set up for its dialect; around it
 are the database's clock as SQL (``db_now``), the reading of driver errors,
-and the driver-cursor path the hot statements take. The stores themselves
-(lease.py, ticks.py, history.py) own their SQL and its per-dialect forms.
+and the wrapping of a driver cursor's errors (``driver_errors``) for the
+stores that run their hot statements on one (``sweepd/store/``). The stores
+own their SQL and its per-dialect forms.
 
 Every engine here fails fast: a database that does not answer must fail a
 claim within seconds, loudly, rather than hang the daemon while it looks
 healthy. Lease statements are single statements, so engines run in
 autocommit: one round trip per statement, no BEGIN/COMMIT around it. The
-one transaction spelled out is SQLite's batch of claims and run rows
-(``sqlite_write``), whose statements must land together.
+transactions spelled out are SQLite's batches (``store/sqlite.py``), whose
+statements must land together.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ import os
 import select
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Dialect, Engine, create_engine, event
-from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 
@@ -337,7 +336,7 @@ def store_fault(
 
 
 @contextmanager
-def _driver_errors(connection: Connection, sql: str, params: Any) -> Iterator[None]:
+def driver_errors(connection: Connection, sql: str, params: Any) -> Iterator[None]:
     """Raise the driver's exceptions as ``Connection.execute`` would: a
     ``DBAPIError`` around them, and a connection the dialect calls dead
     invalidated, so the pool never hands it out again."""
@@ -356,133 +355,6 @@ def _driver_errors(connection: Connection, sql: str, params: Any) -> Iterator[No
             connection_invalidated=connection.invalidated,
             dialect=dialect,
         ) from error
-
-
-# A batch statement of more rows than this is planned for its own arrays on
-# every run. psycopg prepares a statement after its fifth run, and PostgreSQL
-# then keeps a generic plan, which cannot see how long the arrays are. For 16
-# ticks that plan is the faster (0.9 ms against 1.4 for planning each time);
-# for 200 ticks, 67 of them won, it took 15 ms where a plan for the arrays took 6.
-PLAN_EACH_TIME_OVER = 32
-
-
-def prepare_for(rows: int) -> bool | None:
-    """``driver_rows``' ``prepare`` for a batch statement of that many rows."""
-    return False if rows > PLAN_EACH_TIME_OVER else None
-
-
-def driver_rows(
-    connection: Connection, sql: str, params: Mapping[str, Any], *, prepare: bool | None = None
-) -> list[Any]:
-    """Run ``sql`` (in the driver's own parameter style) on the connection's
-    driver cursor and return its rows as the driver gives them.
-
-    For the daemon's few hot statements only: SQLAlchemy's execution and
-    result layers are about a third of such a call's client CPU, paid on
-    every tick. A failure comes out as from ``Connection.execute``.
-    ``prepare`` is psycopg's: False plans the statement afresh for these
-    parameters, where by default it is prepared after its fifth run.
-    """
-    dbapi_connection = connection.connection.dbapi_connection
-    assert dbapi_connection is not None  # a checked-out connection always has one
-    options = {} if prepare is None else {"prepare": prepare}
-    with _driver_errors(connection, sql, params):
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(sql, params, **options)
-            return list(cursor.fetchall())
-        finally:
-            cursor.close()
-
-
-class DriverStatement:
-    """A Core statement compiled once to the driver's own SQL, for a driver cursor.
-
-    SQLite's compiled form uses named parameters, which its driver takes
-    from a mapping and, unlike positions, ignores when unused: one mapping
-    can serve a claim and the reading that explains its loss.
-    """
-
-    def __init__(self, statement: ClauseElement, dialect: Dialect) -> None:
-        if dialect.name == "sqlite":
-            dialect = _SQLITE_NAMED
-        compiled = statement.compile(dialect=dialect)
-        self.sql = str(compiled)
-        # Values the statement carries itself (a literal status, the 1 of token + 1).
-        self.fixed = {k: v for k, v in compiled.params.items() if v is not None}
-
-    def params(self, **values: Any) -> dict[str, Any]:
-        return {**self.fixed, **values}
-
-
-_SQLITE_NAMED = sqlite_dialect.dialect(paramstyle="named")
-
-
-def driver_times(
-    dialect: Dialect,
-) -> tuple[Callable[[datetime | None], Any], Callable[[Any], datetime | None]]:
-    """An aware time to the driver's value and back, as SQLAlchemy would convert
-    it, for a ``DriverStatement``: SQLite keeps times as text whose layout its
-    comparisons depend on."""
-    impl = UtcDateTime().dialect_impl(dialect)
-    to_driver, from_driver = impl.bind_processor(dialect), impl.result_processor(dialect, None)
-    assert to_driver is not None and from_driver is not None
-    return to_driver, from_driver
-
-
-@contextmanager
-def sqlite_write(connection: Connection) -> Iterator[Any]:
-    """A driver cursor inside ``BEGIN IMMEDIATE`` ... ``COMMIT`` on a SQLite connection.
-
-    For statements that must land together, or not at all. IMMEDIATE takes
-    the file's one write lock before the first statement (waiting up to the
-    busy timeout), so what they read no other writer changes before they
-    commit, and the whole batch pays one commit instead of one each. On any
-    failure the transaction is rolled back; if even that fails the
-    connection is invalidated, since one returned to the pool mid-transaction
-    would keep the write lock and stall every writer of the file.
-    """
-    dbapi_connection = connection.connection.dbapi_connection
-    assert dbapi_connection is not None  # a checked-out connection always has one
-    with _driver_errors(connection, "BEGIN IMMEDIATE", None):
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute("BEGIN IMMEDIATE")
-            try:
-                yield cursor
-                cursor.execute("COMMIT")
-            except BaseException as error:
-                try:
-                    dbapi_connection.rollback()
-                except Exception:
-                    connection.invalidate(error if isinstance(error, Exception) else None)
-                raise
-        finally:
-            cursor.close()
-
-
-def pg_array(values: Iterable[str | int | datetime | None]) -> str:
-    """A PostgreSQL array literal of ``values``, for ``CAST(:p AS type[])``.
-
-    psycopg adapts a Python list element by element, finding a dumper for
-    each: a claim's three short lists cost about 60 us of client CPU, one
-    string each about 8, and the server parses either just as fast. Every
-    element is quoted, with backslashes before quotes and backslashes, so
-    any text survives (a name ``null`` stays a name); an aware time is
-    written with its offset, so the session's time zone cannot shift it.
-    A claim sends three of these, an element in each for every tick it asks
-    about: hence one loop, and no call per element.
-    """
-    parts: list[str] = []
-    for value in values:
-        if value is None:
-            parts.append("NULL")
-            continue
-        text = value.isoformat() if isinstance(value, datetime) else str(value)
-        if "\\" in text or '"' in text:
-            text = text.replace("\\", "\\\\").replace('"', '\\"')
-        parts.append(f'"{text}"')
-    return "{" + ",".join(parts) + "}"
 
 
 def is_deadlock(error: DBAPIError) -> bool:

@@ -10,14 +10,87 @@ compiled for the driver's cursor and run inside ``BEGIN IMMEDIATE``
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, NamedTuple
 
+from sqlalchemy import Connection, Dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.sql import ClauseElement
 
-from sweepd.db.engine import DriverStatement, driver_times, sqlite_write, store_fault
+from sweepd.db.engine import driver_errors, store_fault
+from sweepd.db.schema import UtcDateTime
 from sweepd.history import RUN_SQL, History
 from sweepd.lease import MICRO, Claim, LeaseStore, Won, why_lost
 from sweepd.store.base import Ask, Batch, Closed, Hand, Opened, TickStore, row_error
+
+
+class DriverStatement:
+    """A Core statement compiled once to the driver's own SQL, for a driver cursor.
+
+    SQLite's compiled form uses named parameters, which its driver takes
+    from a mapping and, unlike positions, ignores when unused: one mapping
+    can serve a claim and the reading that explains its loss.
+    """
+
+    def __init__(self, statement: ClauseElement, dialect: Dialect) -> None:
+        if dialect.name == "sqlite":
+            dialect = _SQLITE_NAMED
+        compiled = statement.compile(dialect=dialect)
+        self.sql = str(compiled)
+        # Values the statement carries itself (a literal status, the 1 of token + 1).
+        self.fixed = {k: v for k, v in compiled.params.items() if v is not None}
+
+    def params(self, **values: Any) -> dict[str, Any]:
+        return {**self.fixed, **values}
+
+
+_SQLITE_NAMED = sqlite_dialect.dialect(paramstyle="named")
+
+
+def driver_times(
+    dialect: Dialect,
+) -> tuple[Callable[[datetime | None], Any], Callable[[Any], datetime | None]]:
+    """An aware time to the driver's value and back, as SQLAlchemy would convert
+    it, for a ``DriverStatement``: SQLite keeps times as text whose layout its
+    comparisons depend on."""
+    impl = UtcDateTime().dialect_impl(dialect)
+    to_driver, from_driver = impl.bind_processor(dialect), impl.result_processor(dialect, None)
+    assert to_driver is not None and from_driver is not None
+    return to_driver, from_driver
+
+
+@contextmanager
+def sqlite_write(connection: Connection) -> Iterator[Any]:
+    """A driver cursor inside ``BEGIN IMMEDIATE`` ... ``COMMIT`` on a SQLite connection.
+
+    For statements that must land together, or not at all. IMMEDIATE takes
+    the file's one write lock before the first statement (waiting up to the
+    busy timeout), so what they read no other writer changes before they
+    commit, and the whole batch pays one commit instead of one each. On any
+    failure the transaction is rolled back; if even that fails the
+    connection is invalidated, since one returned to the pool mid-transaction
+    would keep the write lock and stall every writer of the file.
+    """
+    dbapi_connection = connection.connection.dbapi_connection
+    assert dbapi_connection is not None  # a checked-out connection always has one
+    with driver_errors(connection, "BEGIN IMMEDIATE", None):
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                yield cursor
+                cursor.execute("COMMIT")
+            except BaseException as error:
+                try:
+                    dbapi_connection.rollback()
+                except Exception:
+                    connection.invalidate(error if isinstance(error, Exception) else None)
+                raise
+        finally:
+            cursor.close()
 
 
 class _Seen(NamedTuple):

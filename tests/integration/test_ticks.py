@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from tcp_proxy import proxy_for
 
 from sweepd.db import migrate
-from sweepd.db.engine import PLAN_EACH_TIME_OVER, db_now, make_engine, pg_array
+from sweepd.db.engine import db_now, make_engine
 from sweepd.db.schema import sweep_leases, sweep_runs
 from sweepd.errors import StoreError
 from sweepd.history import History
@@ -27,6 +27,7 @@ from sweepd.lease import LeaseStore, Lost, Want, Won
 from sweepd.model import SweepDef
 from sweepd.schedule import Every
 from sweepd.store import Ask, Closed, Hand, Opened, TickStore, tick_store
+from sweepd.store.postgresql import PLAN_EACH_TIME_OVER, pg_array
 
 MakeDatabase = Callable[[str], str]
 NAMESPACE = "ticks"
