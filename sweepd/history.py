@@ -20,8 +20,9 @@ from sweepd.db.engine import db_now, retry_deadlocks, store_fault
 from sweepd.db.schema import ERROR_LENGTH, UtcDateTime, sweep_runs
 from sweepd.errors import StoreError
 
-# What a row left running by a replica that stopped heartbeating says.
-LOST_ERROR = "the replica running it stopped heartbeating"
+# What a row left running by a replica that stopped renewing its lease says:
+# it crashed, was paused past its ttl, or lost the database.
+LOST_ERROR = "the replica running it stopped renewing its lease"
 
 Status = Literal["running", "success", "failed", "timeout", "cancelled", "lost"]
 Trigger = Literal["schedule", "manual"]

@@ -48,6 +48,7 @@ CLOSE_GATHER_SECONDS = 0.02
 # error, which are the sweep's own, and no more text than a screen holds.
 TRACEBACK_FRAMES = 30
 TRACEBACK_CHARS = 8000
+LOST_MESSAGE = "the lease was lost while the run was in flight"
 # What the row of a tick says when it was won for a flight that had gone.
 ORPHANED_ERROR = "its flight had stopped when the claim came back; the lease was given back"
 
@@ -267,12 +268,22 @@ class Runner:
     ) -> None:
         """Finish the last attempt's row and release the lease, then say how it went."""
         closed = await self._close(name, token, None if ended is None else ended.row(), log)
+        taken = not closed.released and closed.release_error is None
+        if taken and not lease_lost.is_set() and not self.draining:
+            # Another replica claimed the lease while the run was in flight,
+            # and no renewal came round to say so (this replica was paused, and
+            # the code returned as it resumed): the run was lost, as its row
+            # says already, whatever its code returned. (A drain's deadline
+            # releases the leases of the runs it gave up on itself.)
+            self.stats["leases_lost"] += 1
+            self.metrics.lease_losses.labels(name).inc()
+            log.error("lease.lost", reason="taken", note="found at the release")
+            if ended is not None:
+                ended.status, ended.message, ended.error = "lost", LOST_MESSAGE, None
         if ended is not None:
             self._finished(ended, closed.row_error)
         if closed.released:
             log.debug("lease.released")
-        elif closed.release_error is None and not lease_lost.is_set():
-            log.warning("lease.release_failed", error="the lease was no longer this holder's")
 
     # -- the database side of a run: retries' rows, and the closing hop ---------------------
 
@@ -335,7 +346,9 @@ class Runner:
             self._recover()
 
     def _finished(self, ended: Ended, failed: str | None) -> None:
-        """Log the attempt's end once its row says so (or could not be made to)."""
+        """Count and log the attempt's end once its row says so (or could not be made to)."""
+        self.stats[f"runs.{ended.status}"] += 1
+        self._count_run(ended.name, ended.status, ended.duration)
         if failed is not None:
             self._record_failed(ended.log, "finish", failed, status=ended.status)
             self.unfinished.append(ended.row())
@@ -406,9 +419,7 @@ class Runner:
             status, message, error = await self._call(attempt)
         finally:
             self.inflight.pop(sweep.name, None)
-        self.stats[f"runs.{status}"] += 1
         duration = round(self.clock.monotonic() - began, 6)
-        self._count_run(sweep.name, status, duration)
         return Ended(run_id, sweep.name, status, message, duration, log, error)
 
     async def _call(self, attempt: Attempt) -> tuple[Status, str | None, BaseException | None]:
@@ -434,7 +445,7 @@ class Runner:
         if attempt.reason is not None:
             return attempt.reason, _reason_text(attempt), None
         if ctx.lease_lost.is_set():
-            return "lost", "the lease was lost while the run was in flight", None
+            return "lost", LOST_MESSAGE, None
         if isinstance(outcome, asyncio.CancelledError):
             return "cancelled", None, None
         if isinstance(outcome, BaseException):

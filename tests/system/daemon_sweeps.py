@@ -4,11 +4,15 @@ Every line is one JSON object appended with O_APPEND (one write per line, so
 lines from several processes never interleave): ``start`` when the run
 begins, ``end`` when it returns. The test reads the file to see what really
 ran, where, for which tick, and whether any two runs of a sweep overlapped.
+
+``fenced`` also writes to a fenced resource: a file that accepts a write only
+under a fencing token at least as high as every one it accepted before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import time
@@ -95,3 +99,51 @@ async def block_loop(ctx: SweepContext, out: str, seconds: float = 1.0) -> None:
     _write(out, event="start", at=time.time(), **_fields(ctx))
     time.sleep(seconds)  # not asyncio.sleep: nothing else on the loop may run meanwhile
     _write(out, event="end", at=time.time(), **_fields(ctx))
+
+
+def fenced_write(resource: str, fencing_token: int, **fields: Any) -> tuple[bool, int]:
+    """Write to the fenced resource under a token: (accepted, highest token accepted before).
+
+    The resource is a ledger of every write tried, one JSON line each, under an
+    exclusive lock: a write whose token is lower than the highest accepted so
+    far is refused, and recorded as refused. What a storage system that honours
+    fencing tokens does, and what makes a stale holder harmless.
+    """
+    with open(resource, "a+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # released when the file is closed
+        ledger.seek(0)
+        tried = [json.loads(line) for line in ledger.read().splitlines() if line.strip()]
+        highest = max((int(t["token"]) for t in tried if t["accepted"]), default=0)
+        accepted = fencing_token >= highest
+        entry = {"token": fencing_token, "accepted": accepted, "highest": highest}
+        ledger.write(json.dumps({**fields, **entry, "at": time.time()}) + "\n")
+        ledger.flush()
+    return accepted, highest
+
+
+def fenced(
+    ctx: SweepContext, out: str, resource: str, duration: float = 3.0, step: float = 0.05
+) -> None:
+    """Sync: work ``duration`` seconds in steps of ``step``, then write the result to the
+    fenced resource under the run's token, whatever ``ctx.lease_lost`` says.
+
+    Time the process spends stopped is not work: a run paused mid-way has the rest
+    of its steps to do when it resumes, and then writes. It ignores ``lease_lost``
+    on purpose, as code paused between its last check and its write would: only
+    the token can stop that write. The ``end`` line says whether it was accepted
+    and whether the run had been told of the loss by then.
+    """
+    _write(out, event="start", at=time.time(), **_fields(ctx))
+    for _ in range(round(duration / step)):
+        time.sleep(step)
+    told = ctx.lease_lost.is_set()
+    accepted, highest = fenced_write(resource, ctx.fencing_token, **_fields(ctx))
+    _write(
+        out,
+        event="end",
+        at=time.time(),
+        accepted=accepted,
+        highest=highest,
+        lease_lost=told,
+        **_fields(ctx),
+    )
