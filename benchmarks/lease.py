@@ -34,7 +34,11 @@ from sqlalchemy import Engine, create_engine, event, text
 
 from sweepd.db import migrate
 from sweepd.db.engine import PING_IDLE_SECONDS, make_engine
-from sweepd.lease import LeaseStore, Lost, StoreError, Want, Won, make_holder
+from sweepd.history import History
+from sweepd.lease import LeaseStore, Lost, StoreError, Won, make_holder
+from sweepd.model import SweepDef
+from sweepd.schedule import Every
+from sweepd.store import Ask, Hand, Opened, tick_store
 
 DIALECTS = ("sqlite", "postgresql", "mariadb")
 SERVERS = {
@@ -230,40 +234,58 @@ STEADY_FROM = 6  # psycopg prepares a statement at its fifth run: from the sixth
 
 
 def time_batches(url: str) -> list[tuple[int, list[int], list[int]]]:
-    """Per size: ns of each ``claim_upto`` of that many leases with a third of them
-    to win (one replica of three), and of the ``release_many`` of those won."""
+    """Per size: ns of each tick store ``open`` of that many ticks with a third of them
+    to win (one replica of three), and of the ``close`` of those won: the daemon's two
+    calls for a burst, each the dialect's own batch."""
     engine = make_engine(url)
-    store = LeaseStore(engine, NAMESPACE)
-    holder = make_holder()
+    store = tick_store(LeaseStore(engine, NAMESPACE), History(engine, NAMESPACE), make_holder())
     timed = []
     try:
         for size in BATCH_SIZES:
-            names = [f"batch-{size}-{i}" for i in range(size)]
-            for name in names:  # the first claims: each batch then finds its rows
-                first = store.claim(name, holder, TTL, tick_of(0))
-                assert isinstance(first, Won), first
-                store.release(name, holder, first.token)
-            claims, releases = [], []
+            sweeps = [bench_sweep(f"batch-{size}-{i}") for i in range(size)]
+            for sweep in sweeps:  # the first claims: each batch then finds its rows
+                [first] = store.open([Ask(sweep, tick_of(0), "schedule")], 1)
+                store.close([_hand_of(sweep, first)])
+            limit = -(-size // 3)
+            claims, closes = [], []
             for k in range(1, BATCH_RUNS + 1):
-                wants = [Want(name, TTL, tick_of(k)) for name in names]
                 t0 = time.perf_counter_ns()
-                found = store.claim_upto(holder, wants, -(-size // 3))
+                found = store.open([Ask(sweep, tick_of(k), "schedule") for sweep in sweeps], limit)
                 t1 = time.perf_counter_ns()
-                held = [
-                    (w.name, r.token)
-                    for w, r in zip(wants, found, strict=True)
-                    if isinstance(r, Won)
-                ]
-                if len(held) != -(-size // 3) or not all(store.release_many(holder, held)):
+                won = [_hand_of(s, o) for s, o in zip(sweeps, found, strict=True) if _won(o)]
+                if len(won) != limit or not all(closed.released for closed in store.close(won)):
                     raise RuntimeError(f"batch of {size}, run {k}: {found!r}")
                 t2 = time.perf_counter_ns()
                 if k >= STEADY_FROM:
                     claims.append(t1 - t0)
-                    releases.append(t2 - t1)
-            timed.append((size, claims, releases))
+                    closes.append(t2 - t1)
+            timed.append((size, claims, closes))
     finally:
         engine.dispose()
     return timed
+
+
+def bench_sweep(name: str) -> SweepDef:
+    return SweepDef(
+        name=name,
+        func=lambda: None,
+        target="benchmarks:nothing",
+        schedule=Every(TICK),
+        ttl=TTL,
+        timeout=None,
+        misfire_grace=TTL,
+    )
+
+
+def _won(opened: object) -> bool:
+    return isinstance(opened, Opened) and isinstance(opened.claim, Won)
+
+
+def _hand_of(sweep: SweepDef, opened: object) -> Hand:
+    """The close of a won tick, its row ending in success."""
+    assert isinstance(opened, Opened) and isinstance(opened.claim, Won), opened
+    assert isinstance(opened.started, int), opened
+    return Hand(sweep.name, opened.claim.token, (opened.started, sweep.name, "success", None))
 
 
 # -- a database per dialect, and the machine -------------------------------------------------
@@ -321,7 +343,7 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 # -- main ------------------------------------------------------------------------------------
 
 OWN = "dialect|claimers|pairs/s|pair p50|pair p99|claim p50|claim p99|release p50|release p99|client CPU/pair|lost|store errors"
-BATCHES = "dialect|leases asked|won|claim_upto p50|claim_upto p90|release_many p50|release_many p90"
+BATCHES = "dialect|ticks asked|won|open p50|open p90|close p50|close p90"
 CONTENDED = "dialect|claimers|attempts/s|won|lost lease_held|lost already_run|lost other|ticks won twice|attempt p50|attempt p99|store errors"
 AIM_STEPS = ("claim, won (row exists)", "release")
 
@@ -407,7 +429,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--dialect", choices=["all", *DIALECTS], default="all")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
-    parser.add_argument("--batches-only", action="store_true", help="only claim_upto/release_many")
+    parser.add_argument(
+        "--batches-only", action="store_true", help="only the tick store open and close"
+    )
     args = parser.parse_args(argv)
     dialects = list(DIALECTS) if args.dialect == "all" else [args.dialect]
     began, load_at_start, report = time.perf_counter(), load(), Report()
@@ -420,8 +444,8 @@ def main(argv: list[str]) -> int:
     print(f"{load_at_start} at start, {load()} at end; took {time.perf_counter() - began:.0f} s\n")
     print("\n".join(f"- {fact}" for fact in [*machine(), *report.versions]), end="\n\n")
     print(
-        f"Batches, one claimer: claim_upto of N leases, a third to win, then release_many of"
-        f" those won (runs {STEADY_FROM}-{BATCH_RUNS} of {BATCH_RUNS}; ms)\n"
+        f"Batches, one replica: the tick store's open of N ticks, a third to win, then the"
+        f" close of those won (runs {STEADY_FROM}-{BATCH_RUNS} of {BATCH_RUNS}; ms)\n"
     )
     print(markdown(BATCHES.split("|"), report.batches), end="\n\n")
     if args.batches_only:
