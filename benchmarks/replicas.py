@@ -3,6 +3,10 @@
     python benchmarks/replicas.py --replicas 3 --sweeps 200 --interval 1s --seconds 60 \\
                                   --dialect postgresql
     python benchmarks/replicas.py --idle [--seconds 60] [--dialect postgresql]
+    python benchmarks/replicas.py --replicas 3 --sweeps 200 --interval 1s --seconds 30 --spread
+
+By default every sweep is due at the same instant, an aligned burst; ``--spread`` gives sweep i
+the ``anchor`` epoch + i x interval / sweeps instead, so that the ticks come evenly apart.
 
 Each run gets a database of its own (a SQLite file in a temporary folder, or a fresh
 ``sweepd_bench_<random>`` database on the server), migrated once by the benchmark and dropped
@@ -62,7 +66,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -421,6 +425,7 @@ def write_config(folder: Path, url: str, args: argparse.Namespace) -> Path:
                 "callable": callable_,
                 "every": format_duration(args.interval),
                 "args": {"out": str(folder / "runs")},
+                **({"anchor": anchor(args, i).isoformat()} if args.spread else {}),
             }
             for i in range(args.sweeps)
         ],
@@ -430,6 +435,24 @@ def write_config(folder: Path, url: str, args: argparse.Namespace) -> Path:
     path = folder / "sweepd.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
     return path
+
+
+def offset_us(args: argparse.Namespace, i: int) -> int:
+    """How far into each interval sweep i's ticks come: 0 for all, or evenly apart (--spread)."""
+    return i * (args.interval // timedelta(microseconds=1)) // args.sweeps if args.spread else 0
+
+
+def anchor(args: argparse.Namespace, i: int) -> datetime:
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=offset_us(args, i))
+
+
+def expected_ticks(args: argparse.Namespace, window: Window) -> set[tuple[str, int]]:
+    """Every (sweep, tick) due in the window."""
+    return {
+        (f"bench-{i:04d}", tick)
+        for i in range(args.sweeps)
+        for tick in window.ticks(offset_us(args, i))
+    }
 
 
 # -- results --------------------------------------------------------------------------------
@@ -511,10 +534,11 @@ class Window:
     end: float
     interval_us: int
 
-    def ticks(self) -> list[int]:
-        first = math.ceil(self.start * 1e6 / self.interval_us)
-        last = math.ceil(self.end * 1e6 / self.interval_us)  # exclusive
-        return [k * self.interval_us for k in range(first, last)]
+    def ticks(self, offset_us: int = 0) -> list[int]:
+        """The ticks ``k * interval + offset_us`` in the window."""
+        first = math.ceil((self.start * 1e6 - offset_us) / self.interval_us)
+        last = math.ceil((self.end * 1e6 - offset_us) / self.interval_us)  # exclusive
+        return [k * self.interval_us + offset_us for k in range(first, last)]
 
 
 def plan_window(now: float, args: argparse.Namespace) -> Window:
@@ -789,7 +813,7 @@ def measure(
     skips: Counter[str] = Counter()
     stats: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
-    in_window = set(window.ticks())
+    in_window = expected_ticks(args, window)
     for replica in replicas:
         for event in replica.events():
             name = event.get("event")
@@ -797,7 +821,7 @@ def measure(
                 stats.append(dict(event.get("stats", {})))
             if event.get("level") in ("error", "critical"):
                 errors.append(event)
-            if tick_us_of(event) not in in_window:
+            if (event.get("sweep"), tick_us_of(event)) not in in_window:
                 continue
             if name == "tick.claimed":
                 claims.append(event)
@@ -837,9 +861,8 @@ def measure(
 def report(args: argparse.Namespace, result: Result) -> None:
     window = result.window
     ticks = window.ticks()
-    in_window = set(ticks)
-    runs = [run for run in result.runs if run.tick_us in in_window]
-    expected = {(f"bench-{i:04d}", tick) for i in range(args.sweeps) for tick in ticks}
+    expected = expected_ticks(args, window)
+    runs = [run for run in result.runs if (run.sweep, run.tick_us) in expected]
     count = Counter((run.sweep, run.tick_us) for run in runs)
     duplicated = sum(n - 1 for n in count.values() if n > 1)
     missed = len(expected - count.keys())
@@ -853,6 +876,7 @@ def report(args: argparse.Namespace, result: Result) -> None:
         f"{mode}: {args.replicas} replica(s) x {args.sweeps} sweeps every"
         f" {format_duration(args.interval)}, {args.seconds:g} s window, {args.dialect},"
         f" concurrency {concurrency}, {'async' if args.run_async else 'sync'} sweep"
+        + (", ticks spread over the interval" if args.spread else "")
         + (", synchronous_commit=off (unsafe)" if args.unsafe_async_commit else "")
         + (f", {args.db_threads} database threads (patched)" if args.db_threads is not None else "")
     )
@@ -872,8 +896,10 @@ def report(args: argparse.Namespace, result: Result) -> None:
         ["measured at", "samples", "p50", "p90", "p99", "max"],
     )
     # A queue that keeps up looks the same at both ends of the window; one that grows does not.
+    # By the time of the tick, so that spread ticks fall in the same thirds as aligned ones.
     third = len(ticks) // 3
-    early, late = set(ticks[:third]), set(ticks[len(ticks) - third :])
+    early_end = (window.start + third * args.interval.total_seconds()) * 1e6
+    late_start = (window.end - third * args.interval.total_seconds()) * 1e6
     rows = [
         ("run start (sweep's own time.time() - tick)", lateness),
         ("tick.claimed event (its lateness field)", claimed),
@@ -882,11 +908,11 @@ def report(args: argparse.Namespace, result: Result) -> None:
         rows += [
             (
                 "run start, ticks of the window's first third",
-                [run.lateness for run in runs if run.tick_us in early],
+                [run.lateness for run in runs if run.tick_us < early_end],
             ),
             (
                 "run start, ticks of the window's last third",
-                [run.lateness for run in runs if run.tick_us in late],
+                [run.lateness for run in runs if run.tick_us >= late_start],
             ),
         ]
     for label, values in rows:
@@ -900,7 +926,7 @@ def report(args: argparse.Namespace, result: Result) -> None:
         )
     phase_table = phases_table(runs, result.phases)
     seconds = window.end - window.start
-    busy = burst_spans(runs, ticks)
+    busy = burst_spans(runs, sorted({tick for _, tick in expected}))
     process_table = Table(
         "Per replica (the window; CPU is user + sys)",
         [
@@ -1141,6 +1167,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--concurrency", type=int, help="the config's concurrency (default: sweepd's own)"
     )
     parser.add_argument("--async", dest="run_async", action="store_true", help="an async sweep")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="sweep i anchored i/sweeps of an interval in: ticks evenly apart, not one burst",
+    )
     parser.add_argument(
         "--health",
         action="store_true",

@@ -48,12 +48,6 @@ from sweepd.schedule import (
 HISTORY_SWEEP = "sweepd.prune-history"
 # Extra time, past drain_timeout, that cancelled runs get to notice and return.
 CANCEL_GRACE_SECONDS = 2.0
-# The kernel may end a timed wait late by 0.1 % of its length (0.5 % in a
-# niced process): a tick one second away would start 1-5 ms late before the
-# daemon did anything. So a long wait is slept in legs, each 1 % short of the
-# mark, and the last short one, whose own slack is a few microseconds, whole.
-WAKE_EARLY = 0.01
-WAKE_WHOLE_UNDER = 0.05  # seconds
 
 
 @dataclass
@@ -212,7 +206,7 @@ class Daemon:
             )
             # Wake at least every 30 s, so a stepped wall clock is noticed
             # without waiting out a long delay.
-            await self._sleep(first_leg(min(delay, 30.0)))
+            await self._sleep(min(delay, 30.0))
 
     async def _sleep(self, seconds: float) -> None:
         self._wake.clear()
@@ -501,11 +495,6 @@ class Daemon:
         # its lease is released and the process exit ends its thread.
         with contextlib.suppress(StoreError):
             await bounded(ticks.release, [(a.sweep.name, a.token) for a in stuck])
-
-
-def first_leg(delay: float) -> float:
-    """How long to sleep now, to wake ``delay`` seconds from now and not later."""
-    return delay if delay < WAKE_WHOLE_UNDER else delay * (1 - WAKE_EARLY)
 
 
 def _differs(a: SweepDef, b: SweepDef) -> bool:

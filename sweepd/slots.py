@@ -14,8 +14,7 @@ briefly, for the busy slots, so that one call claims for all of them.
 A replica that has lost ticks to others lately claims only its share of a
 burst in one call (``Peers``): the first call to reach the database would
 otherwise lock every row of the burst, and that one replica would then start
-all of its runs one after another while the others start none. Once it has
-its share, it lets those runs start before it asks about the rest.
+all of its runs one after another while the others start none.
 """
 
 from __future__ import annotations
@@ -58,11 +57,6 @@ PEER_MEMORY_SECONDS = 600.0
 # The fewest ticks a call claims for when it holds back for its peers: a claim
 # of a few more ticks costs next to nothing, one more call a round trip.
 SMALLEST_SHARE = 16
-# After a call that held back for its peers and won, how long the next call
-# waits. The peers' own calls take most of the rest of the burst, so the next
-# call mostly finds it taken; sent at once, it would share the GIL and the
-# CPU with the start of the runs just won (its commit has the figures).
-SHARE_PAUSE_SECONDS = 0.010
 
 
 class Peers:
@@ -159,11 +153,9 @@ class Slots(Generic[Item, Result]):
             self._calling = spawn(self._call(), name="slots-claim")
 
     async def _call(self) -> None:
-        """Calls one at a time, each for every slot free when it leaves.
-
-        Overlapping calls (one per slot as it frees) were measured: the same
-        lateness, for twice the statements (its commit has the figures).
-        """
+        """Calls one at a time, each for every slot free when it leaves (or its
+        share of them): overlapping calls, one per slot as it frees, cost twice
+        the statements for the same lateness."""
         busy = 0  # calls in a row that found every row busy
         try:
             while self.free > 0 and not self.draining:
@@ -172,15 +164,12 @@ class Slots(Generic[Item, Result]):
                     if self.draining:
                         break
                 limit = self.free
-                held_back = False
                 if self.share is not None:
-                    share = self.share(len(self._waiting))
-                    held_back = share < limit
-                    limit = min(limit, share)
+                    limit = min(limit, self.share(len(self._waiting)))
                 batch = self._next(limit * LOOKAHEAD)
                 if not batch:
                     break
-                won, undecided = await self._claim_batch(batch, limit)
+                undecided = await self._claim_batch(batch, limit)
                 if self.draining:
                     # Out in the call when drain() answered the queue: answer them now.
                     self._dismiss()
@@ -190,16 +179,14 @@ class Slots(Generic[Item, Result]):
                     await self.clock.sleep(self._busy_wait(busy))
                     continue
                 busy = 0
-                if held_back and won and self._waiting:
-                    await self.clock.sleep(SHARE_PAUSE_SECONDS)
         finally:
             self._calling = None
 
     async def _claim_batch(
         self, batch: list[tuple[Item, asyncio.Future[Result | None]]], limit: int
-    ) -> tuple[int, int]:
+    ) -> int:
         """One call for ``batch``: every decided tick answered, the undecided put
-        back in front, the slots not won returned; (won, undecided).
+        back in front, the slots not won returned; how many were undecided.
 
         Whatever the call or the answering raises, every tick of the batch is
         answered and the reserved slots come back: a flight left waiting on a
@@ -220,13 +207,13 @@ class Slots(Generic[Item, Result]):
             for _, future in batch:
                 if not future.done():
                     future.set_exception(fault)
-            return won, 0
+            return 0
         finally:
             self.free += limit - won
         undecided = [w for w, r in zip(batch, results, strict=True) if r is None]
         # Ticks that came while the call was out wait behind those still undecided.
         self._waiting.extendleft(reversed(undecided))
-        return won, len(undecided)
+        return len(undecided)
 
     def _busy_wait(self, busy: int) -> float:
         """The wait before the ``busy``-th call in a row that found every row busy."""

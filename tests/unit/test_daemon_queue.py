@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import Engine
 from structlog.testing import capture_logs
 
-from sweepd.daemon import WAKE_EARLY, WAKE_WHOLE_UNDER, Daemon, Flight, _Due, first_leg
+from sweepd.daemon import Daemon, Flight, _Due
 from sweepd.db.engine import make_engine
 from sweepd.model import Coalesce, Database, Settings, SweepDef
 from sweepd.schedule import Every
@@ -202,36 +202,11 @@ def test_the_sleep_after_a_burst_counts_from_after_it(engine: Engine) -> None:
         daemon._push(daemon.flights["slow"].sweep, at(0), 1)
         rings = await one_sleep(daemon, clock)
         assert runner.ran == [("slow", at(0))]
-        # Asked for at 4 ms, after the burst: 1 % short of the next tick.
-        expected = at(1) - (at(1) - at(0.004)) * WAKE_EARLY
-        assert abs((rings - expected).total_seconds()) < 1e-6, rings
+        # Asked for at 4 ms, after the burst, for the next tick's time.
+        assert abs((rings - at(1)).total_seconds()) < 1e-6, rings
         await runner.finish()
 
     run(scenario())
-
-
-def test_the_last_stretch_before_a_tick_is_slept_whole(engine: Engine) -> None:
-    async def scenario() -> None:
-        daemon, _runner = daemon_for(engine)
-        clock = BusyClock()
-        clock.current = at(0.97)
-        daemon.clock = clock
-        daemon._push(daemon.flights["slow"].sweep, at(1), 1)
-        assert await one_sleep(daemon, clock) == at(1)
-
-    run(scenario())
-
-
-def test_legs_end_before_the_mark_even_when_each_ends_late() -> None:
-    # The kernel may end a wait late by 0.5 % of its length (niced): each leg
-    # still ends before the tick, and a 30 s wait takes a few legs, not many.
-    remaining, legs = 30.0, 0
-    while remaining >= WAKE_WHOLE_UNDER:
-        remaining -= first_leg(remaining) * 1.005
-        legs += 1
-        assert remaining > 0
-    assert first_leg(remaining) == remaining
-    assert legs <= 4
 
 
 def test_daemon_started_counts_the_configs_sweeps_as_check_config_does(engine: Engine) -> None:
