@@ -35,7 +35,7 @@ from sweepd.metrics import Metrics
 from sweepd.model import Settings, SweepDef
 from sweepd.observe import flush_logs, get_logger
 from sweepd.offload import bounded
-from sweepd.runner import Runner, iso
+from sweepd.runner import DRAIN_MESSAGE, Runner, iso
 from sweepd.schedule import (
     Every,
     jitter_delay,
@@ -482,7 +482,7 @@ class Daemon:
             # that had timed out already says so, and keeps saying it.
             if attempt.run_id is not None and attempt.reason != "timeout":
                 try:
-                    ending = (attempt.run_id, name, "cancelled", "drain timeout reached")
+                    ending = (attempt.run_id, name, "cancelled", DRAIN_MESSAGE)
                     await bounded(ticks.finish, ending)
                 except Exception as error:
                     self.log.error(

@@ -49,6 +49,7 @@ CLOSE_GATHER_SECONDS = 0.02
 TRACEBACK_FRAMES = 30
 TRACEBACK_CHARS = 8000
 LOST_MESSAGE = "the lease was lost while the run was in flight"
+DRAIN_MESSAGE = "drain timeout reached"
 # What the row of a tick says when it was won for a flight that had gone.
 ORPHANED_ERROR = "its flight had stopped when the claim came back; the lease was given back"
 
@@ -769,6 +770,10 @@ def _start_thread(
 
 def _reason_text(attempt: Attempt) -> str | None:
     """The row's error for a run stopped from outside; durations as a config writes them."""
+    if attempt.reason == "lost":
+        return LOST_MESSAGE
+    if attempt.reason == "cancelled":
+        return DRAIN_MESSAGE
     if attempt.reason != "timeout" or attempt.sweep.timeout is None:
         return None
     return f"timed out after {format_duration(attempt.sweep.timeout)}"

@@ -16,6 +16,11 @@ ttl and concurrency:
    run makes after resuming, under the old token, is refused by a fenced resource
    (``daemon_sweeps.fenced``) that accepted the newer holder's. Its row stays ``lost``, its
    release changes nothing, and the one overlap of two runs is the one the token made harmless.
+3. **SIGSTOP past the ttl, and the code returns as it resumes.** A sweep timed by the clock
+   (``daemon_sweeps.record_async``) whose deadline passed while its replica was stopped
+   returns at once on SIGCONT, before the overdue renewal can say the lease was taken. The
+   release is where the replica learns it: it logs ``lease.lost`` (reason ``taken``, found at
+   the release) and ``run.finished`` with status ``lost``, never ``success``, as its row says.
 """
 
 from __future__ import annotations
@@ -65,6 +70,14 @@ NAME = "fenced"
 FENCED_RUN = 3.0  # seconds of work in each run of the fenced sweep
 PAUSE = 6.0  # at least this long stopped: twice the ttl
 ENDS = ("end", "stopped", "cancelled", "fail")
+RETURNING = "returning"
+# Seconds of each run: shorter than the first renewal beat, a second after the claim, so on
+# SIGCONT the loop wakes the run (its sleep's timer is due first) before it sends the renewal.
+RETURNING_RUN = 0.8
+# What run.finished says of a lost run (sweepd.runner.LOST_MESSAGE), spelled out: operators
+# search for it, and the code before the fix must be able to import this file.
+LOST_MESSAGE = "the lease was lost while the run was in flight"
+STOP_AFTER = 0.4  # seconds into a run: past its claim, before its end and its first renewal
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -236,7 +249,7 @@ def test_sigkill_blocks_the_killed_replicas_sweeps_for_about_one_ttl(
     # Its rows: none left running; those of runs that never ended are lost, and each was
     # marked so by the survivor that next won its sweep.
     assert not [r for r in rows if r["status"] == "running"], "rows left running"
-    mine = [r for r in rows if r["holder"] == dead_holder]
+    mine = [r for r in rows if r["holder"] == dead_holder and r["name"] in names]
     ended = {run_key(r) for r in runs if r["pid"] == victim.pid and r["event"] == "end"}
     assert {r["status"] for r in mine} <= {"success", "lost"}, Counter(r["status"] for r in mine)
     unended = [r for r in mine if row_key(r) not in ended]
@@ -408,7 +421,7 @@ def test_a_replica_paused_past_its_ttl_is_overtaken_and_fenced_off(
     assert (newer["token"], newer["accepted"]) == (old + 1, True), newer
     assert seconds(newer["tick"]) > seconds(first["tick"]), (first, newer)
     assert lease_paused.holder in others and lease_paused.fencing_token > old, lease_paused
-    (row_paused,) = [r for r in rows_paused if r["fencing_token"] == old]
+    (row_paused,) = [r for r in rows_paused if r["name"] == NAME and r["fencing_token"] == old]
     assert (row_paused["holder"], row_paused["status"]) == (holder, "lost"), row_paused
     (marker,) = [r for r in replicas if holder_of(r) == newer["holder"]]
     marked = of(marker.events(), "run.marked_lost", sweep=NAME, fencing_token=old + 1)
@@ -433,7 +446,7 @@ def test_a_replica_paused_past_its_ttl_is_overtaken_and_fenced_off(
     # Its row stays lost, and its release under the old token changed nothing: the lease was
     # the newer holders' once it was told, and still past its token once its run ended (by
     # then it may have won a later tick itself, fairly).
-    (row,) = [r for r in rows if r["fencing_token"] == old]
+    (row,) = [r for r in rows if r["name"] == NAME and r["fencing_token"] == old]
     assert (row["holder"], row["status"], row["error"]) == (holder, "lost", LOST_ERROR), row
     assert not [r for r in rows if r["status"] == "running"], rows
     assert lease_told.holder in others and lease_told.fencing_token > old, lease_told
@@ -465,3 +478,98 @@ def newer_write(resource: Path, old: int, others: set[str], not_before: float) -
         ),
         None,
     )
+
+
+# -- 3. SIGSTOP past the ttl, the code returning as it resumes: lost, found at the release ----
+
+
+def test_a_run_returning_as_its_paused_replica_resumes_is_lost_not_a_success(
+    cluster: Cluster, database_url: str, tmp_path: Path
+) -> None:
+    out, args = tmp_path / "runs.jsonl", {"duration": RETURNING_RUN}
+    config = write_config(
+        tmp_path / "sweepd.yaml",
+        database_url,
+        [sweep(RETURNING, out, callable="daemon_sweeps:record_async", args=args)],
+    )
+    replicas = cluster.start(config, 2, timeout=TIMEOUT)
+    first = wait_until(
+        lambda: next((r for r in read_runs(out) if r["event"] == "start"), None), 20, "a run"
+    )
+    paused = next(r for r in replicas if r.pid == first["pid"])
+    (other,) = [r for r in replicas if r is not paused]
+    old, holder, other_holder = int(first["token"]), str(first["holder"]), holder_of(other)
+
+    # Stopped mid-run, before its first renewal, and held until another replica runs the next
+    # tick, long past the run's deadline: on SIGCONT the run's sleep and the renewal beat are
+    # both overdue, the sleep first, so the code returns before the renewal is even sent.
+    sleep_until(first["at"] + STOP_AFTER)
+    assert run_key(first) not in {run_key(r) for r in read_runs(out) if r["event"] in ENDS}
+    paused.signal(signal.SIGSTOP)
+    stopped_wall = time.time()
+    try:
+        newer = wait_until(
+            lambda: next(
+                (r for r in read_runs(out) if r["event"] == "start" and r["token"] > old), None
+            ),
+            TTL + 10,
+            "another replica's run of the next tick",
+        )
+        lease_paused = read_lease(database_url, RETURNING)
+    finally:
+        continued = time.time()
+        paused.signal(signal.SIGCONT)
+
+    done = paused.wait_for(is_event("run.finished", sweep=RETURNING, fencing_token=old), timeout=10)
+    newer_done = other.wait_for(
+        is_event("run.finished", sweep=RETURNING, fencing_token=old + 1),
+        timeout=RETURNING_RUN + 10,
+    )
+    _, codes, _ = cluster.stop(TIMEOUT)
+    runs, rows = read_runs(out), read_rows(database_url)
+    paused_log, other_log = paused.events(), other.events()
+    (mine,) = [r for r in runs if run_key(r) == run_key(first) and r["event"] in ENDS]
+    backend = make_url(database_url).get_backend_name()
+    print(
+        f"\n[{backend}] stopped {continued - stopped_wall:.2f}s,"
+        f" {newer['at'] - stopped_wall:.2f}s from SIGSTOP to the newer holder's start;"
+        f" SIGCONT -> the code's {mine['event']} {mine['at'] - continued:.3f}s,"
+        f" -> run.finished {stamp(done) - continued:.3f}s ({done['status']})"
+    )
+
+    assert codes == [0, 0], codes
+    # Overtaken while stopped: the next tick ran on the other replica under the next token,
+    # which marked the paused run's row lost and held the lease.
+    assert (newer["pid"], newer["holder"], newer["token"]) == (other.pid, other_holder, old + 1)
+    assert seconds(newer["tick"]) > seconds(first["tick"]), (first, newer)
+    assert newer_done["status"] == "success", newer_done
+    assert lease_paused.holder == other_holder and lease_paused.fencing_token > old, lease_paused
+    marked = of(other_log, "run.marked_lost", sweep=RETURNING, fencing_token=old + 1)
+    assert [e["count"] for e in marked] == [1], marked
+
+    # Its code returned as it resumed, before any renewal came round to tell it.
+    assert (mine["event"], mine["pid"]) == ("end", paused.pid), mine
+    assert continued < mine["at"] < continued + 0.5, (continued, mine)
+    # The release found the lease another's, and said so: the run was lost, not a success.
+    lost = of(paused_log, "lease.lost", sweep=RETURNING, fencing_token=old)
+    assert [(e["reason"], e["level"], e.get("note")) for e in lost] == [
+        ("taken", "error", "found at the release")
+    ], lost
+    finished = of(paused_log, "run.finished", sweep=RETURNING, fencing_token=old)
+    assert [(e["status"], e["level"], e.get("error")) for e in finished] == [
+        ("lost", "error", LOST_MESSAGE)
+    ], finished
+    assert not of(paused_log, "run.finished", sweep=RETURNING, fencing_token=old, status="success")
+    assert not of(paused_log, "lease.released", sweep=RETURNING, fencing_token=old)
+    assert not of(paused_log, "lease.release_failed"), of(paused_log, "lease.release_failed")
+    (stopped,) = of(paused_log, "daemon.stopped")
+    assert stopped["stats"].get("leases_lost") == 1, stopped["stats"]
+
+    # Its row stays lost, as the other replica marked it: the close changed nothing.
+    (row,) = [r for r in rows if r["name"] == RETURNING and r["fencing_token"] == old]
+    assert (row["holder"], row["status"], row["error"]) == (holder, "lost", LOST_ERROR), row
+    assert not [r for r in rows if r["status"] == "running"], rows
+    # Nothing else went wrong anywhere: the only errors are the paused replica's two.
+    loud = [(e["event"], e.get("holder")) for log in cluster.events() for e in log if is_loud(e)]
+    assert sorted(loud) == [("lease.lost", holder), ("run.finished", holder)], loud
+    assert not twice_run(runs), twice_run(runs)
