@@ -105,9 +105,7 @@ class TickStore:
         found, unseen = self.open_batch([asks[i] for i in batch], limit) if batch else ([], set())
         for i, opened in zip(batch, found, strict=True):
             results[i] = opened
-        decided = {i for i, opened in zip(batch, found, strict=True) if opened is not None}
-        rest = [i for i in range(len(asks)) if i not in decided]
-        rest = [i for i in rest if asks[i].tick is None or asks[i].sweep.name in unseen]
+        rest = [i for i, ask in enumerate(asks) if ask.tick is None or ask.sweep.name in unseen]
         won = sum(isinstance(r, Opened) and isinstance(r.claim, Won) for r in results)
         if rest and won < limit:
             for i, result in zip(

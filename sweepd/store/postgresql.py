@@ -170,9 +170,9 @@ _CLOSE = text(
 
 # A batch statement of more rows than this is planned for its own arrays on
 # every run. psycopg prepares a statement after its fifth run, and PostgreSQL
-# then keeps a generic plan, which cannot see how long the arrays are. For 16
-# ticks that plan is the faster (0.9 ms against 1.4 for planning each time);
-# for 200 ticks, 67 of them won, it took 15 ms where a plan for the arrays took 6.
+# then keeps a generic plan, which cannot see how long the arrays are: the
+# faster plan for a few ticks, and much the slower for a burst of hundreds,
+# most already won by other replicas. Revisit if the claim's shape changes.
 PLAN_EACH_TIME_OVER = 32
 
 

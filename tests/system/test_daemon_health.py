@@ -217,7 +217,8 @@ def test_metrics_count_what_really_happened_and_pass_promtool(
         attempts = sum(n for (sweep_name, _), n in outcomes.items() if sweep_name == name)
         assert samples[("sweepd_run_duration_seconds_count", (("sweep", name),))] == attempts
         assert samples[("sweepd_tick_lateness_seconds_count", (("sweep", name),))] == 1
-        assert samples[("sweepd_sweep_stale_after_seconds", (("sweep", name),))] == 7230
+        # Two hourly intervals and the default 3 s ttl.
+        assert samples[("sweepd_sweep_stale_after_seconds", (("sweep", name),))] == 7203
     assert samples[("sweepd_last_success_timestamp_seconds", (("sweep", "ok"),))] > 0
     assert ("sweepd_last_success_timestamp_seconds", (("sweep", "broken"),)) not in samples
     assert not [key for key in samples if key[0] == "sweepd_ticks_skipped_total"]

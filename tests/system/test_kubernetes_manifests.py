@@ -47,6 +47,7 @@ from kube_support import (
     podman_secret,
     quantity,
 )
+from sqlalchemy.exc import ProgrammingError
 
 from sweepd.daemon import CANCEL_GRACE_SECONDS
 from sweepd.durations import parse_duration
@@ -333,7 +334,12 @@ def _status(port: int, path: str) -> int:
 
 
 def _pods_with_rows(url: str) -> set[str]:
-    return {str(row["holder"]).split(":")[0] for row in read_rows(url)}
+    """The pods that wrote a run row; none before the first pod has migrated the schema."""
+    try:
+        rows = read_rows(url)
+    except ProgrammingError:  # no sweep_runs table yet
+        return set()
+    return {str(row["holder"]).split(":")[0] for row in rows}
 
 
 @pytest.mark.slow
