@@ -1,5 +1,5 @@
 """One tick of one sweep: take a slot (which claims it), record, call,
-heartbeat, retry, finish, release.
+renew, retry, finish, release.
 
 Every outcome is accounted for: a claim that loses is a counted, logged
 skip; a claim that fails is a loud error; a run that starts writes its row
@@ -233,8 +233,8 @@ class Runner:
         lateness = self._lateness(tick)
         if lateness is not None:
             self.metrics.of(sweep.name).lateness.observe(max(0.0, lateness))
-        # The first attempt's start: its run.started says nothing more, so it is
-        # a debug line, one fewer per run (a retry's start is news: info).
+        # The first attempt's row id goes here: its run.started line would say
+        # nothing more, so it is a debug line, one fewer per run (a retry's is info).
         run_id = opened.started if isinstance(opened.started, int) else None  # None: no row
         log.info("tick.claimed", lateness=lateness, trigger=trigger, run_id=run_id)
         if opened.lost_error is not None:
