@@ -183,6 +183,19 @@ def is_loud(event: Event) -> bool:
     return event.get("level") in ("error", "critical") or event.get("event") == "raw"
 
 
+def start_one_sweep(
+    cluster: Cluster, database_url: str, tmp_path: Path, entry: dict[str, Any], count: int
+) -> tuple[list[Replica], Event, Replica]:
+    """Start ``count`` replicas with one sweep; its first run, and the replica running it."""
+    config = write_config(tmp_path / "sweepd.yaml", database_url, [entry])
+    replicas = cluster.start(config, count, timeout=TIMEOUT)
+    out = Path(entry["args"]["out"])
+    first = wait_until(
+        lambda: next((r for r in read_runs(out) if r["event"] == "start"), None), 20, "a run"
+    )
+    return replicas, first, next(r for r in replicas if r.pid == first["pid"])
+
+
 def sleep_until(instant: float) -> None:
     """Sleep until Unix time ``instant`` (a moment of the scenario, never more than seconds)."""
     time.sleep(max(0.0, instant - time.time()))
@@ -362,16 +375,8 @@ def test_a_replica_paused_past_its_ttl_is_overtaken_and_fenced_off(
 ) -> None:
     out, resource = tmp_path / "runs.jsonl", tmp_path / "fenced.jsonl"
     args = {"resource": str(resource), "duration": FENCED_RUN}
-    config = write_config(
-        tmp_path / "sweepd.yaml",
-        database_url,
-        [sweep(NAME, out, callable="daemon_sweeps:fenced", args=args)],
-    )
-    replicas = cluster.start(config, 3, timeout=TIMEOUT)
-    first = wait_until(
-        lambda: next((r for r in read_runs(out) if r["event"] == "start"), None), 20, "a run"
-    )
-    paused = next(r for r in replicas if r.pid == first["pid"])
+    entry = sweep(NAME, out, callable="daemon_sweeps:fenced", args=args)
+    replicas, first, paused = start_one_sweep(cluster, database_url, tmp_path, entry, 3)
     old, holder = int(first["token"]), str(first["holder"])
     others = {holder_of(r) for r in replicas if r is not paused}
 
@@ -487,16 +492,8 @@ def test_a_run_returning_as_its_paused_replica_resumes_is_lost_not_a_success(
     cluster: Cluster, database_url: str, tmp_path: Path
 ) -> None:
     out, args = tmp_path / "runs.jsonl", {"duration": RETURNING_RUN}
-    config = write_config(
-        tmp_path / "sweepd.yaml",
-        database_url,
-        [sweep(RETURNING, out, callable="daemon_sweeps:record_async", args=args)],
-    )
-    replicas = cluster.start(config, 2, timeout=TIMEOUT)
-    first = wait_until(
-        lambda: next((r for r in read_runs(out) if r["event"] == "start"), None), 20, "a run"
-    )
-    paused = next(r for r in replicas if r.pid == first["pid"])
+    entry = sweep(RETURNING, out, callable="daemon_sweeps:record_async", args=args)
+    replicas, first, paused = start_one_sweep(cluster, database_url, tmp_path, entry, 2)
     (other,) = [r for r in replicas if r is not paused]
     old, holder, other_holder = int(first["token"]), str(first["holder"]), holder_of(other)
 
