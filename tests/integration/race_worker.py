@@ -2,7 +2,7 @@
 
 Run as ``python tests/integration/race_worker.py --url URL --barrier DIR --index N``
 (``--first-claims K`` races the very first claim of K new leases instead;
-``--batch K`` claims every tick of K leases in batches with ``claim_upto``). It
+``--batch K`` opens every tick of K sweeps in batches through the daemon's tick store). It
 connects, says it is ready (a file in DIR), waits for DIR/go so that all racers start
 together, then walks the ticks in order and prints one JSON report on stdout. It never
 retries a store error: an error is the finding, so it is recorded and reported.
@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from sweepd.db.engine import make_engine
-from sweepd.lease import LeaseStore, Lost, StoreError, Want, Won, make_holder
+from sweepd.history import History
+from sweepd.lease import LeaseStore, Lost, StoreError, Won, make_holder
+from sweepd.model import SweepDef
+from sweepd.schedule import Every
+from sweepd.store import Ask, Hand, Opened, tick_store
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TTL = timedelta(seconds=30)
@@ -133,44 +137,67 @@ def first_claims(store: LeaseStore, holder: str, names: int, report: dict[str, A
 
 
 def batches(store: LeaseStore, holder: str, ticks: int, names: int, report: dict[str, Any]) -> None:
-    """Claim each tick of ``names`` leases in batches, each racer in an order of its own.
+    """Open each tick of ``names`` sweeps in batches through the daemon's tick store,
+    each racer in an order of its own.
 
-    Each call may win at most a quarter of the leases, like a replica with
-    few free slots; what it leaves undecided is asked for again until every
-    lease has an answer for the tick. The winners are released together,
-    racing the others' claims.
+    Each call may win at most a quarter of the ticks, like a replica with few
+    free slots; what it leaves undecided is asked for again until every sweep
+    has an answer for the tick. The winners are closed together (rows finished,
+    leases released), racing the others' opens.
     """
-    order = [f"batch-{n}" for n in range(names)]
+    ticks_store = tick_store(store, History(store.engine, NAMESPACE), holder)
+    order = [race_sweep(f"batch-{n}") for n in range(names)]
     random.Random(report["index"]).shuffle(order)
     limit = max(1, names // 4)
     for k in range(ticks):
         tick = tick_at(k)
         undecided = list(order)
-        held: list[tuple[str, int]] = []
+        won: list[Hand] = []
         while undecided:
             try:
-                outcomes = store.claim_upto(holder, [Want(n, TTL, tick) for n in undecided], limit)
+                found = ticks_store.open(
+                    [Ask(sweep, tick, "schedule") for sweep in undecided], limit
+                )
             except StoreError as error:
                 report["errors"].append({"tick": k, "error": str(error)})
                 break
             report["calls"] += 1
             left = []
-            for name, outcome in zip(undecided, outcomes, strict=True):
-                if outcome is None:
-                    left.append(name)
-                elif isinstance(outcome, StoreError):
-                    report["errors"].append({"tick": k, "name": name, "error": str(outcome)})
-                elif isinstance(outcome, Won):
-                    report["wins"].append({"tick": k, "name": name, "token": outcome.token})
-                    held.append((name, outcome.token))
+            for sweep, opened in zip(undecided, found, strict=True):
+                if opened is None:
+                    left.append(sweep)
+                elif isinstance(opened, StoreError):
+                    report["errors"].append({"tick": k, "name": sweep.name, "error": str(opened)})
+                elif isinstance(opened.claim, Won):
+                    token = opened.claim.token
+                    report["wins"].append({"tick": k, "name": sweep.name, "token": token})
+                    assert isinstance(opened.started, int), opened
+                    won.append(
+                        Hand(sweep.name, token, (opened.started, sweep.name, "success", None))
+                    )
                 else:
-                    report["losses"][outcome.reason] = report["losses"].get(outcome.reason, 0) + 1
-            if sum(isinstance(o, Won) for o in outcomes) > limit:
+                    reason = opened.claim.reason
+                    report["losses"][reason] = report["losses"].get(reason, 0) + 1
+            if sum(isinstance(o, Opened) and isinstance(o.claim, Won) for o in found) > limit:
                 report["errors"].append({"tick": k, "error": f"won more than {limit} in one call"})
             undecided = left
-        for (name, token), freed in zip(held, store.release_many(holder, held), strict=True):
-            if not freed:
-                report["release_failures"].append({"tick": k, "name": name, "token": token})
+        for hand, closed in zip(won, ticks_store.close(won) if won else [], strict=True):
+            if not closed.released:
+                report["release_failures"].append(
+                    {"tick": k, "name": hand.name, "token": hand.token}
+                )
+
+
+def race_sweep(name: str) -> SweepDef:
+    return SweepDef(
+        name=name,
+        func=lambda: None,
+        target="race_worker:nothing",
+        schedule=Every(timedelta(seconds=1)),
+        ttl=TTL,
+        timeout=None,
+        misfire_grace=TTL,
+    )
 
 
 def main(argv: list[str]) -> int:

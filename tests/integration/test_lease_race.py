@@ -239,12 +239,14 @@ def test_batch_claims_give_each_tick_of_each_lease_one_winner(
     fakeclock: Path,
     tmp_path: Path,
 ) -> None:
-    """Every racer claims each tick of the same leases in batches, then releases its wins.
+    """Every racer opens each tick of the same sweeps in batches through the daemon's
+    tick store, then closes its wins (rows finished, leases released).
 
     On PostgreSQL each batch is one statement that skips rows busy at that
-    instant and wins at most a quarter of the leases; the racer asks again
-    for what it left undecided. Each racer prefers its own order, and the
-    releases lock rows too: a deadlock or a wait would show up as an error.
+    instant and wins at most a quarter of the leases, and on SQLite one write
+    transaction; the racer asks again for what it left undecided. Each racer
+    prefers its own order, and the closes lock rows too: a deadlock or a wait
+    would show up as an error.
     A racer does not retry a lease it found held, so a tick may go unwon when
     every racer met the previous tick's holder; no tick may be won twice.
     """
