@@ -141,7 +141,7 @@ EXECUTOR_HOOK = '''\
 
 import sweepd.offload
 
-sweepd.offload._WORKERS.size = {workers}
+sweepd.offload.DB_THREADS.size = {workers}
 '''
 
 

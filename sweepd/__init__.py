@@ -7,7 +7,7 @@ from sweepd.context import SweepContext
 from sweepd.registry import sweep
 
 if TYPE_CHECKING:
-    from sweepd.lease import Lease, leased
+    from sweepd.library import Lease, leased
 
 try:
     __version__ = version("sweepd")
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
     # The lease pulls in SQLAlchemy; importing it lazily keeps `import sweepd`
     # (and so every CLI start and every module with @sweep) light.
     if name in ("Lease", "leased"):
-        from sweepd import lease
+        from sweepd import library
 
-        return getattr(lease, name)
+        return getattr(library, name)
     raise AttributeError(f"module 'sweepd' has no attribute {name!r}")

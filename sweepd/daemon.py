@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from operator import attrgetter
 from typing import Any
 
 from sqlalchemy import Engine
@@ -498,12 +499,8 @@ class Daemon:
 
 
 def _differs(a: SweepDef, b: SweepDef) -> bool:
-    return (a.schedule, a.ttl, a.timeout, a.jitter, a.target, dict(a.args), a.retries) != (
-        b.schedule,
-        b.ttl,
-        b.timeout,
-        b.jitter,
-        b.target,
-        dict(b.args),
-        b.retries,
-    )
+    """Whether a reload changed how the sweep runs, so its next tick is the new schedule's."""
+    return _HOW(a) != _HOW(b) or dict(a.args) != dict(b.args)
+
+
+_HOW = attrgetter("schedule", "ttl", "timeout", "jitter", "target", "retries")

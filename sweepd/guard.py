@@ -17,7 +17,8 @@ from types import FrameType
 from typing import Any
 
 from sweepd.errors import SweepdError
-from sweepd.lease import Heartbeat, LeaseStore, Lost, Won
+from sweepd.lease import LeaseStore, Lost, Won
+from sweepd.library import Heartbeat
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _POLL_SECONDS = 0.2

@@ -44,18 +44,6 @@ class RunRow:
     error: str | None
 
 
-@dataclass(frozen=True)
-class Start:
-    """The row of one run attempt about to start."""
-
-    name: str
-    tick: datetime | None
-    holder: str
-    token: int
-    attempt: int
-    trigger: Trigger
-
-
 def describe_error(error: BaseException) -> str:
     """``Type: message``, cut to what the column keeps."""
     text = f"{type(error).__name__}: {error}"
@@ -80,21 +68,16 @@ class RunStatements:
             started_at=db_now(),
             status="running",
         )
-        self.start_returning = self.start.returning(c.id, sort_by_parameter_order=True)
         # Only a row still running changes: a row the next holder already
         # marked lost keeps saying so, and a retry after a deadlock is harmless.
         ending: dict[str, Any] = {"status": bindparam("p_status"), "error": bindparam("p_error")}
         one = and_(c.id == bindparam("p_id"), running)
         self.finish = update(sweep_runs).where(one).values(finished_at=db_now(), **ending)
-        names = c.name.in_(bindparam("p_names", expanding=True))
-        self.stale_of = select(c.id, c.name, c.fencing_token).where(namespace, names, running)
         lost = {"status": "lost", "finished_at": db_now(), "error": LOST_ERROR}
-        ids = c.id.in_(bindparam("p_ids", expanding=True))
-        self.mark_lost = update(sweep_runs).where(ids, running).values(**lost)
-        # One sweep's, for a driver cursor (SQLite), which cannot expand a list.
+        # A just-claimed sweep's rows left running, and one of them marked lost.
         name = c.name == bindparam("p_name")
-        self.stale_of_one = select(c.id, c.fencing_token).where(namespace, name, running)
-        self.mark_lost_one = update(sweep_runs).where(one).values(**lost)
+        self.stale_of = select(c.id, c.fencing_token).where(namespace, name, running)
+        self.mark_lost = update(sweep_runs).where(one).values(**lost)
 
 
 RUN_SQL = RunStatements()
@@ -131,40 +114,6 @@ class History:
         except SQLAlchemyError as error:
             raise store_fault("run start", name, self.engine, error) from error
 
-    def start_many(self, starts: list[Start]) -> list[int]:
-        """Write the ``running`` rows of several runs; their ids, in order.
-
-        One INSERT for all of them where the dialect returns the ids of a
-        multi-row INSERT in order (PostgreSQL, SQLite, MariaDB 10.5+), else
-        one INSERT each on one connection.
-        """
-        rows = [
-            {
-                "p_namespace": self.namespace,
-                "p_name": start.name,
-                "p_tick": start.tick,
-                "p_holder": start.holder,
-                "p_token": start.token,
-                "p_attempt": start.attempt,
-                "p_trigger": start.trigger,
-            }
-            for start in starts
-        ]
-        dialect = self.engine.dialect
-        try:
-            with self.engine.connect() as connection:
-                if len(rows) > 1 and dialect.insert_executemany_returning_sort_by_parameter_order:
-                    found = connection.execute(RUN_SQL.start_returning, rows)
-                    return [int(run_id) for run_id in found.scalars()]
-                ids = []
-                for row in rows:
-                    key = connection.execute(RUN_SQL.start, row).inserted_primary_key
-                    assert key is not None
-                    ids.append(int(key[0]))
-                return ids
-        except SQLAlchemyError as error:
-            raise store_fault("run start", starts[0].name, self.engine, error) from error
-
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended (only while the row still says ``running``)."""
         self.finish_many([(run_id, name, status, error)])
@@ -183,31 +132,26 @@ class History:
         except SQLAlchemyError as error_:
             raise store_fault("run finish", endings[0][1], self.engine, error_) from error_
 
-    def mark_lost_many(self, claimed: dict[str, int]) -> dict[str, int]:
-        """Rows of just-claimed sweeps (name -> new token) left ``running`` under an
-        older token: their holder is gone, so they are marked lost; how many, per sweep."""
+    def mark_lost(self, name: str, token: int) -> int:
+        """Mark the rows of a just-claimed sweep left ``running`` under an older
+        token lost: their holder is gone. How many there were."""
+        namespace = {"p_namespace": self.namespace, "p_name": name}
 
-        def mark() -> dict[str, int]:
+        def mark() -> int:
             # Ids first, then an UPDATE by primary key: an UPDATE searching by
             # (namespace, status) would lock the index entries of every running
             # sweep and deadlock with their own finish on MySQL.
             with self.engine.connect() as connection:
-                found = connection.execute(
-                    RUN_SQL.stale_of, {"p_namespace": self.namespace, "p_names": list(claimed)}
-                )
-                stale = [row for row in found if row.fencing_token < claimed[row.name]]
-                if not stale:
-                    return {}
-                connection.execute(RUN_SQL.mark_lost, {"p_ids": [row.id for row in stale]})
-                counts: dict[str, int] = {}
-                for row in stale:
-                    counts[row.name] = counts.get(row.name, 0) + 1
-                return counts
+                found = connection.execute(RUN_SQL.stale_of, namespace)
+                stale = [run_id for run_id, older in found if older < token]
+                for run_id in stale:
+                    connection.execute(RUN_SQL.mark_lost, {"p_id": run_id})
+                return len(stale)
 
         try:
             return retry_deadlocks(mark)
         except SQLAlchemyError as error:
-            raise store_fault("mark lost", next(iter(claimed)), self.engine, error) from error
+            raise store_fault("mark lost", name, self.engine, error) from error
 
     def prune(self, keep: timedelta) -> int:
         """Delete finished rows that started longer than ``keep`` ago (database clock)."""
@@ -251,4 +195,4 @@ class History:
             raise store_fault("history read", name or "-", self.engine, error) from error
 
 
-__all__ = ["History", "RunRow", "Start", "Status", "StoreError", "Trigger", "describe_error"]
+__all__ = ["History", "RunRow", "Status", "StoreError", "Trigger", "describe_error"]

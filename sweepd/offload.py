@@ -38,7 +38,7 @@ async def bounded(call: Callable[..., T], *args: Any, timeout: float = DB_CALL_S
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
-    _WORKERS.run(loop, future, call, args)
+    DB_THREADS.run(loop, future, call, args)
     timer = loop.call_later(timeout, _give_up, future, call, timeout)
     try:
         return await future
@@ -79,47 +79,47 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
         future.set_exception(error)
 
 
-# A call for a database thread: the loop to answer on, its future, the call, its arguments.
+# A call for a thread: the loop to answer on, its future, the call, its arguments.
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
 
-class _Workers:
-    """The threads that make the database calls: daemon threads, at most ``size``.
+class Threads:
+    """Daemon threads that make blocking calls for the loop, kept for the next
+    call when one returns, and at most ``size`` of them (None: no bound).
 
-    Not asyncio's default executor, for two reasons. Its hop costs a
-    concurrent future chained to an asyncio one, both ways, on every call:
-    about 7 % of a run's CPU in a burst. And its threads are joined
-    when ``asyncio.run`` ends, so a call stuck on a hung database would keep a
-    drained daemon from exiting. The bound is the executor's own default,
-    which is plenty: the calls are batched, a few at a time.
+    Not a ThreadPoolExecutor, for two reasons. Its hop costs a concurrent
+    future chained to an asyncio one, both ways, on every call: about 7 % of
+    a run's CPU in a burst. And its threads are joined at interpreter exit,
+    so a call stuck on a hung database, or a sync sweep that ignores
+    ``ctx.cancelled``, would keep a drained daemon from ever exiting.
     """
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, name: str, size: int | None = None) -> None:
+        self.name, self.size = name, size
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
-        # Threads waiting for a job, less the jobs queued for them. At the bound
-        # a job queues with none idle and this count runs ahead of the truth; harmless,
-        # since no thread is spawned past the bound anyway.
-        self._idle = 0
+        self._busy = 0  # calls handed over whose code has not returned
 
     def run(
         self,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[Any],
         call: Callable[..., Any],
-        args: tuple[Any, ...],
+        args: tuple[Any, ...] = (),
     ) -> None:
+        """Make ``call(*args)`` on a thread; its outcome settles ``future`` on ``loop``."""
         with self._lock:
-            spawn = self._idle == 0 and self._threads < self.size
-            if spawn:
-                self._threads += 1
-            elif self._idle > 0:
-                self._idle -= 1
+            self._busy += 1
+            spawn = self._busy > self._threads and (self.size is None or self._threads < self.size)
+            self._threads += spawn
         self._jobs.put((loop, future, call, args))
         if spawn:
-            threading.Thread(target=self._serve, name="sweepd-db", daemon=True).start()
+            threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+
+    def busy(self) -> int:
+        with self._lock:
+            return self._busy
 
     def _serve(self) -> None:
         while True:
@@ -134,10 +134,12 @@ class _Workers:
                 loop.call_soon_threadsafe(_settle, future, value, error)
             del value, error, future  # hold nothing of a finished call while idle
             with self._lock:
-                self._idle += 1
+                self._busy -= 1
 
 
-_WORKERS = _Workers(min(32, (os.cpu_count() or 1) + 4))
+# The database calls': Python's own bound for an executor, which is plenty, as
+# the calls are batched, a few at a time.
+DB_THREADS = Threads("sweepd-db", min(32, (os.cpu_count() or 1) + 4))
 
 
 class Batcher(Generic[Item, Result]):

@@ -11,10 +11,8 @@ the database answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
-import queue
 import threading
 import traceback
 from collections import Counter
@@ -27,11 +25,11 @@ from sweepd.clock import Clock, Timer
 from sweepd.context import SweepContext
 from sweepd.durations import format_duration
 from sweepd.errors import StoreError
-from sweepd.history import History, Start, Status, Trigger, describe_error
+from sweepd.history import History, Status, Trigger, describe_error
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.metrics import Metrics
 from sweepd.model import SweepDef
-from sweepd.offload import Batcher, bounded
+from sweepd.offload import Batcher, Threads, bounded
 from sweepd.slots import Peers, Slots
 from sweepd.store import Ask, Closed, Hand, Opened, Row, Started, TickStore, tick_store
 from sweepd.tasks import spawn
@@ -84,18 +82,6 @@ class Attempt:
     run_id: int | None = None
     task: asyncio.Future[Any] | None = None  # the async run, or the sync run's bridge future
     reason: CancelReason | None = None  # why it was stopped, when it was
-
-
-class _Slot:
-    """One run's hold on a slot, given back once however many paths try."""
-
-    def __init__(self, slots: Slots[Ask, Opened]) -> None:
-        self._slots: Slots[Ask, Opened] | None = slots
-
-    def give_back(self) -> None:
-        if self._slots is not None:
-            self._slots.give_back()
-            self._slots = None
 
 
 class Runner:
@@ -169,15 +155,7 @@ class Runner:
                 held_by=opened.claim.holder,
                 expires_at=iso(opened.claim.expires_at),
             )
-        # A won claim took a slot (a lost one never had one). It is given back
-        # as soon as the sweep's code is done, before its row is finished and
-        # its lease released: the slot bounds running code, and the sweep's
-        # next tick still waits for the release, in this flight.
-        slot = _Slot(self._slots)
-        try:
-            return await self._run(sweep, tick, trigger, opened, log, slot)
-        finally:
-            slot.give_back()
+        return await self._run(sweep, tick, trigger, opened, log)
 
     def drain(self) -> None:
         """Claim nothing more: ticks waiting for a slot are answered ``draining``, no retries."""
@@ -191,19 +169,19 @@ class Runner:
         trigger: Trigger,
         opened: Opened,
         log: Any,
-        slot: _Slot,
     ) -> str:
-        """Run a won tick in its slot: attempts under renewals, then finish and release."""
+        """Run a won tick in the slot its claim took: attempts under renewals, then
+        finish and release."""
         assert isinstance(opened.claim, Won) and opened.started is not None
         token = opened.claim.token
         log = log.bind(fencing_token=token)
-        self._claimed(sweep, tick, trigger, opened, log)
         lease_lost, cancelled = threading.Event(), threading.Event()
-        self.renewals.hold(sweep, token, lease_lost, log)
         started = opened.started
         status: Status = "failed"
         ended: Ended | None = None  # the last attempt, its row finished with the release
         try:
+            self._claimed(sweep, tick, trigger, opened, log)
+            self.renewals.hold(sweep, token, lease_lost, log)
             for attempt in range(1, sweep.retries.max + 2):
                 if attempt > 1:
                     started = await self._start(sweep, tick, token, attempt, trigger)
@@ -220,7 +198,10 @@ class Runner:
                 if self.draining or lease_lost.is_set():  # no retry for a drain or a lost lease
                     break
         finally:
-            slot.give_back()
+            # The slot goes back as soon as the code is done, before the row is
+            # finished and the lease released: it bounds running code, and the
+            # sweep's next tick still waits for the release, in this flight.
+            self._slots.give_back()
             self.renewals.drop(sweep.name)
             await self._hand_back(sweep.name, token, ended, lease_lost, log)
         return status
@@ -230,7 +211,7 @@ class Runner:
     ) -> None:
         """Count and log a won tick, and the rows its claim found left running."""
         self.stats["ticks_claimed"] += 1
-        lateness = self._lateness(tick)
+        lateness = None if tick is None else round((self.clock.now() - tick).total_seconds(), 6)
         if lateness is not None:
             self.metrics.of(sweep.name).lateness.observe(max(0.0, lateness))
         # The first attempt's row id goes here: its run.started line would say
@@ -292,9 +273,7 @@ class Runner:
         self, sweep: SweepDef, tick: datetime | None, token: int, attempt: int, trigger: Trigger
     ) -> Started:
         try:
-            return await bounded(
-                self.ticks.start, Start(sweep.name, tick, self.holder, token, attempt, trigger)
-            )
+            return await bounded(self.ticks.start, sweep.name, tick, token, attempt, trigger)
         except StoreError as error:
             return str(error)
 
@@ -349,7 +328,9 @@ class Runner:
     def _finished(self, ended: Ended, failed: str | None) -> None:
         """Count and log the attempt's end once its row says so (or could not be made to)."""
         self.stats[f"runs.{ended.status}"] += 1
-        self._count_run(ended.name, ended.status, ended.duration)
+        self.metrics.of(ended.name).ended(
+            ended.status, ended.duration, self.clock.now().timestamp()
+        )
         if failed is not None:
             self._record_failed(ended.log, "finish", failed, status=ended.status)
             self.unfinished.append(ended.row())
@@ -384,12 +365,6 @@ class Runner:
         """A run row that could not be written: loud, and counted as the store's error."""
         self.metrics.store_errors.labels(operation).inc()
         log.error("run.record_failed", operation=operation, error=error, **fields)
-
-    def _count_run(self, name: str, status: Status, duration: float) -> None:
-        self.metrics.of(name).ended(status, duration, self.clock.now().timestamp())
-
-    def _lateness(self, tick: datetime | None) -> float | None:
-        return None if tick is None else round((self.clock.now() - tick).total_seconds(), 6)
 
     # -- one attempt ----------------------------------------------------------------------
 
@@ -437,7 +412,7 @@ class Runner:
             attempt.task = asyncio.ensure_future(call())
         else:
             attempt.task = loop.create_future()
-            _start_thread(call, attempt.task, loop, sweep.name)
+            SWEEP_THREADS.run(loop, attempt.task, _named(call, sweep.name))
         if sweep.timeout is not None:  # without one, the outcome is all there is to wait for
             await self._time_out(attempt, sweep.timeout.total_seconds())
         # A sync run keeps its lease and its slot until its thread returns:
@@ -692,80 +667,28 @@ def _third(held: Held) -> float:
     return held.sweep.ttl.total_seconds() / 3
 
 
-class _Threads:
-    """Daemon threads for sync sweeps, kept for the next run when one returns.
-
-    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so
-    one sweep that ignores ``ctx.cancelled`` would keep a drained daemon from
-    ever exiting. Not a thread per run either: starting one waits for the new
-    thread to be scheduled, on the loop, for every run. The daemon's
-    ``concurrency`` slots bound how many run at once, so they bound how many
-    threads there are.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a job, less the jobs queued for them
-        self._busy = 0  # jobs handed over whose code has not returned
-
-    def run(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._busy += 1
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._jobs.put(job)
-        if spawn:
-            threading.Thread(target=self._serve, name="sweepd-sweep", daemon=True).start()
-
-    def busy(self) -> int:
-        with self._lock:
-            return self._busy
-
-    def _serve(self) -> None:
-        while True:
-            self._jobs.get()()
-            with self._lock:
-                self._busy -= 1
-                self._idle += 1
-
-
-_THREADS = _Threads()
+# The sync sweeps': the ``concurrency`` slots bound how many run at once, but a
+# sweep that ignores ``ctx.cancelled`` keeps its thread past its slot.
+SWEEP_THREADS = Threads("sweepd-sweep")
 
 
 def sweep_threads_busy() -> int:
     """Sync sweeps whose code is still running: after a drain, the ones that
     ignored ``ctx.cancelled`` and were left behind."""
-    return _THREADS.busy()
+    return SWEEP_THREADS.busy()
 
 
-def _start_thread(
-    call: Any, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, name: str
-) -> None:
-    """Run a sync sweep on a worker thread; its outcome settles ``future`` on the loop."""
+def _named(call: Callable[[], Any], name: str) -> Callable[[], Any]:
+    """``call``, with its thread named after the sweep while it runs."""
 
-    def settle(value: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
-
-    def job() -> None:
+    def named() -> Any:
         threading.current_thread().name = f"sweep-{name}"
-        value, failure = None, None
         try:
-            value = call()
-        except BaseException as error:  # the sweep's own failure, reported as its run's
-            failure = error
-        # RuntimeError: the loop is gone, the daemon stopped and recorded this run.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, value, failure)
-        threading.current_thread().name = "sweepd-sweep"
+            return call()
+        finally:
+            threading.current_thread().name = "sweepd-sweep"
 
-    _THREADS.run(job)
+    return named
 
 
 def _reason_text(attempt: Attempt) -> str | None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sweepd.errors import StoreError
-from sweepd.history import History, Start, Status, Trigger
-from sweepd.lease import Claim, LeaseStore, Want, Won, first_of_each
+from sweepd.history import History, Status, Trigger
+from sweepd.lease import Claim, LeaseStore, Won
 from sweepd.model import SweepDef
 
 Started = int | str  # an attempt's run id, or why its row could not be written
@@ -91,69 +91,40 @@ class TickStore:
         """
         unique = first_of_each([ask.sweep.name for ask in asks])
         results: list[Opened | StoreError | None] = [None] * len(asks)
-        for i, result in zip(
-            unique, self._open_unique([asks[i] for i in unique], limit), strict=True
-        ):
-            results[i] = result
-        return results
-
-    def _open_unique(self, asks: list[Ask], limit: int) -> list[Opened | StoreError | None]:
-        results: list[Opened | StoreError | None] = [None] * len(asks)
         # Scheduled ticks go in the dialect's batch; manual runs, which claim no
         # tick, and first claims, which insert the row, go one at a time.
-        batch = [i for i, ask in enumerate(asks) if ask.tick is not None]
+        batch = [i for i in unique if asks[i].tick is not None]
         found, unseen = self.open_batch([asks[i] for i in batch], limit) if batch else ([], set())
         for i, opened in zip(batch, found, strict=True):
             results[i] = opened
-        rest = [i for i, ask in enumerate(asks) if ask.tick is None or ask.sweep.name in unseen]
         won = sum(isinstance(r, Opened) and isinstance(r.claim, Won) for r in results)
-        if rest and won < limit:
-            for i, result in zip(
-                rest, self._open_each([asks[i] for i in rest], limit - won), strict=True
-            ):
-                results[i] = result
+        for i in unique:
+            if won < limit and (asks[i].tick is None or asks[i].sweep.name in unseen):
+                one = results[i] = self._open_one(asks[i])
+                won += isinstance(one, Opened) and isinstance(one.claim, Won)
         return results
 
     def open_batch(self, asks: list[Ask], limit: int) -> Batch:
         """Scheduled ticks of different sweeps, in one go where the dialect allows.
-        The portable store decides none here: every sweep goes to ``_open_each``."""
+        The portable store decides none here: every sweep goes to ``_open_one``."""
         return [None] * len(asks), {ask.sweep.name for ask in asks}
 
-    def _open_each(self, asks: list[Ask], limit: int) -> list[Opened | StoreError | None]:
-        """The lease and history calls in turn: claim, mark stale rows lost, write rows."""
-        wants = [Want(ask.sweep.name, ask.sweep.ttl, ask.tick) for ask in asks]
-        claims = self.lease.claim_upto(self.holder, wants, limit)
-        results: list[Opened | StoreError | None] = [
-            claim if claim is None or isinstance(claim, StoreError) else Opened(claim)
-            for claim in claims
-        ]
-        won = [
-            (ask, opened, opened.claim)
-            for ask, opened in zip(asks, results, strict=True)
-            if isinstance(opened, Opened) and isinstance(opened.claim, Won)
-        ]
-        if won:
-            self._mark_lost([(ask.sweep.name, opened, c.token) for ask, opened, c in won])
-            starts = [
-                Start(a.sweep.name, a.tick, self.holder, c.token, 1, a.trigger) for a, _, c in won
-            ]
-            try:
-                ids: list[Started] = list(self.history.start_many(starts))
-            except StoreError as error:
-                ids = [str(error)] * len(won)
-            for (_, opened, _), started in zip(won, ids, strict=True):
-                opened.started = started
-        return results
-
-    def _mark_lost(self, won: list[tuple[str, Opened, int]]) -> None:
+    def _open_one(self, ask: Ask) -> Opened | StoreError:
+        """The lease and history calls in turn: claim, mark stale rows lost, write the row."""
+        name = ask.sweep.name
         try:
-            lost = self.history.mark_lost_many({name: token for name, _, token in won})
+            opened = Opened(self.lease.claim(name, self.holder, ask.sweep.ttl, ask.tick))
         except StoreError as error:
-            for _, opened, _ in won:
-                opened.lost_error = str(error)
-        else:
-            for name, opened, _ in won:
-                opened.lost_runs = lost.get(name, 0)
+            return error
+        if not isinstance(opened.claim, Won):
+            return opened
+        token = opened.claim.token
+        try:
+            opened.lost_runs = self.history.mark_lost(name, token)
+        except StoreError as error:
+            opened.lost_error = str(error)
+        opened.started = self.start(name, ask.tick, token, 1, ask.trigger)
+        return opened
 
     # -- close ---------------------------------------------------------------------------
 
@@ -168,7 +139,7 @@ class TickStore:
                 failed = str(error)
         held = [(hand.name, hand.token) for hand in hands]
         try:
-            released = self.lease.release_each(self.holder, held)
+            released = self.lease.release_many(self.holder, held)
         except StoreError as error:
             return [Closed(row_error(hand, failed), False, str(error)) for hand in hands]
         return [
@@ -182,11 +153,14 @@ class TickStore:
         """Extend this holder's (name, token, ttl) leases; the names still held."""
         return self.lease.renew_many(self.holder, held)
 
-    def start(self, start: Start) -> int:
-        """A retry's row."""
-        return self.history.start(
-            start.name, start.tick, start.holder, start.token, start.attempt, start.trigger
-        )
+    def start(
+        self, name: str, tick: datetime | None, token: int, attempt: int, trigger: Trigger
+    ) -> Started:
+        """An attempt's row: its id, or why it could not be written."""
+        try:
+            return self.history.start(name, tick, self.holder, token, attempt, trigger)
+        except StoreError as error:
+            return str(error)
 
     def finish(self, ending: Row) -> None:
         """A row's ending written on its own: a timeout, a drain, a late write."""
@@ -194,7 +168,7 @@ class TickStore:
 
     def release(self, held: list[tuple[str, int]]) -> list[bool]:
         """Releases retried after they failed at the close."""
-        return self.lease.release_each(self.holder, held)
+        return self.lease.release_many(self.holder, held)
 
     def now(self) -> datetime:
         return self.lease.now()
@@ -202,3 +176,20 @@ class TickStore:
 
 def row_error(hand: Hand, error: str | None) -> str | None:
     return error if hand.ending is not None else None
+
+
+def first_of_each(names: list[str]) -> list[int]:
+    """The positions of each name's first appearance, in order.
+
+    A batch that asks twice for one lease matches both asks to its one row,
+    and both could come back won under one token: the sweep would overlap
+    itself. So a batch claims only a name's first ask; the others stay
+    undecided, to be asked again once the first is settled.
+    """
+    seen: set[str] = set()
+    first = []
+    for i, name in enumerate(names):
+        if name not in seen:
+            seen.add(name)
+            first.append(i)
+    return first

@@ -14,7 +14,8 @@ from sqlalchemy.engine import make_url
 
 from sweepd.db import migrate
 from sweepd.db.engine import make_engine
-from sweepd.lease import Lease, LeaseStore, LeaseUnavailable, Lost, Want, Won, leased
+from sweepd.lease import LeaseStore, Lost, Won
+from sweepd.library import Lease, LeaseUnavailable, leased
 
 TTL = timedelta(seconds=30)
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -307,7 +308,7 @@ def test_a_lost_claim_is_explained_in_utc_whatever_the_sessions_time_zone(
         engine.dispose()  # new sessions, in that time zone
         store = LeaseStore(engine, "test")
         _won(store.claim("purge", "a", TTL, tick(1)))
-        [lost] = store.claim_upto("b", [Want("purge", TTL, tick(1))], 1)
+        lost = store.claim("purge", "b", TTL, tick(1))
         assert isinstance(lost, Lost)
         assert (lost.reason, lost.holder, lost.tick) == ("already_run", "a", tick(1))
         assert lost.tick is not None and lost.tick.tzinfo is UTC

@@ -29,7 +29,8 @@ from tcp_proxy import TcpProxy, proxy_for
 from sweepd.db import migrate
 from sweepd.db.engine import make_engine
 from sweepd.db.schema import sweep_leases
-from sweepd.lease import Heartbeat, Lease, LeaseStore, Lost, StoreError, Won
+from sweepd.lease import LeaseStore, Lost, StoreError, Won
+from sweepd.library import Heartbeat, Lease
 
 MakeDatabase = Callable[[str], str]
 # The measured times, shown with --log-cli-level=INFO and in any failure report.

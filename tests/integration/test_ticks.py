@@ -23,7 +23,7 @@ from sweepd.db.engine import db_now, make_engine
 from sweepd.db.schema import sweep_leases, sweep_runs
 from sweepd.errors import StoreError
 from sweepd.history import History
-from sweepd.lease import LeaseStore, Lost, Want, Won
+from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.model import SweepDef
 from sweepd.schedule import Every
 from sweepd.store import Ask, Closed, Hand, Opened, TickStore, tick_store
@@ -396,14 +396,3 @@ def test_two_asks_for_one_sweep_in_one_batch_never_both_win(
             select(sweep_runs.c.name).where(sweep_runs.c.status == "running")
         ).scalars()
         assert sorted(runs) == [sweep.name, other.name]
-
-
-def test_the_lease_store_claims_one_sweep_once_in_a_batch(
-    dialect: str, make_database: MakeDatabase, engines: Callable[[str], Engine]
-) -> None:
-    url, _, _ = after_one_tick(dialect, make_database, engines)
-    store = LeaseStore(engines(url), NAMESPACE)
-    wants = [Want(SWEEPS[0].name, TTL, tick(2)), Want(SWEEPS[0].name, TTL, tick(3))]
-    first, second = store.claim_upto("a", wants, 2)
-    assert first == Won(2, "a", tick(2))
-    assert second is None  # undecided: asked again, it finds the lease held
