@@ -313,7 +313,7 @@ def db_sql(
     it), read from its URL: nothing connects, and no driver is needed.
     """
     from sweepd.db import migrate
-    from sweepd.db.engine import normalize_url
+    from sweepd.db.url import normalize_url
 
     if dialect is None:
         if not (database or environment.database_url or config or environment.config):

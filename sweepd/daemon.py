@@ -28,23 +28,16 @@ from sqlalchemy import Engine
 
 from sweepd.clock import Clock, SystemClock
 from sweepd.durations import format_duration
-from sweepd.errors import StoreError, UsageError
-from sweepd.health import HealthServer, Pulse, Vitals
+from sweepd.errors import StoreError
+from sweepd.health import Vitals, serve_health
 from sweepd.history import History
 from sweepd.lease import LeaseStore, make_holder
 from sweepd.metrics import Metrics
 from sweepd.model import Settings, SweepDef
-from sweepd.observe import flush_logs, get_logger
+from sweepd.observe import get_logger
 from sweepd.offload import bounded
 from sweepd.runner import DRAIN_MESSAGE, Runner, iso
-from sweepd.schedule import (
-    Every,
-    jitter_delay,
-    next_tick,
-    previous_tick,
-    stale_after,
-    ticks_from,
-)
+from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, stale_after, ticks_from
 
 HISTORY_SWEEP = "sweepd.prune-history"
 # Extra time, past drain_timeout, that cancelled runs get to notice and return.
@@ -142,33 +135,20 @@ class Daemon:
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        health = self._serve_health()
+        listen = self.settings.health_listen  # empty: no health server
+        pulse, server = (
+            serve_health(
+                listen, self.vitals, self.clock, self.metrics, self.runner.ticks.now, self.log
+            )
+            if listen
+            else (None, None)
+        )
         try:
             await self._run()
         finally:
-            if health is not None:
-                health[0].stop()
-                health[1].stop()
-
-    def _serve_health(self) -> tuple[Pulse, HealthServer] | None:
-        """Start /healthz, /readyz and /metrics on ``health.listen``, unless it is empty."""
-        listen = self.settings.health_listen
-        if not listen:
-            return None
-        try:
-            server = HealthServer(listen, self.vitals, self.clock, self.metrics)
-        except OSError as error:
-            # Another replica on this host has the port, most likely: one line, exit 2.
-            raise UsageError(
-                f"health.listen {listen}: {error.strerror or error}"
-                " (give each replica on a host its own port, or port 0)"
-            ) from None
-        server.start()
-        pulse = Pulse(self.vitals, self.clock, self.runner.ticks.now, self.metrics, self.log)
-        pulse.start()
-        self.log.info("health.listening", address=server.listening)
-        flush_logs()  # with port 0 this line is the only way to find the port: now, not later
-        return pulse, server
+            if pulse is not None and server is not None:
+                pulse.stop()
+                server.stop()
 
     async def _run(self) -> None:
         now = self.clock.now()

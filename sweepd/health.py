@@ -19,8 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from sweepd.clock import Clock, Timer
-from sweepd.errors import StoreError
+from sweepd.errors import StoreError, UsageError
 from sweepd.metrics import Metrics
+from sweepd.observe import flush_logs
 from sweepd.offload import bounded
 from sweepd.tasks import spawn
 
@@ -128,6 +129,31 @@ def ready(vitals: Vitals, now: float) -> str | None:
     if vitals.answered_at is None or now - vitals.answered_at > READY_WITHIN:
         return "the database has not answered lately"
     return None
+
+
+def serve_health(
+    listen: str,
+    vitals: Vitals,
+    clock: Clock,
+    metrics: Metrics,
+    database_now: Any,
+    log: Any,
+) -> tuple[Pulse, HealthServer]:
+    """Serve the three endpoints on ``listen``, and start the pulse that feeds them."""
+    try:
+        server = HealthServer(listen, vitals, clock, metrics)
+    except OSError as error:
+        # Another replica on this host has the port, most likely: one line, exit 2.
+        raise UsageError(
+            f"health.listen {listen}: {error.strerror or error}"
+            " (give each replica on a host its own port, or port 0)"
+        ) from None
+    server.start()
+    pulse = Pulse(vitals, clock, database_now, metrics, log)
+    pulse.start()
+    log.info("health.listening", address=server.listening)
+    flush_logs()  # with port 0 this line is the only way to find the port: now, not later
+    return pulse, server
 
 
 class HealthServer:

@@ -39,12 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from sweepd.db.engine import (
-    db_now,
-    db_now_plus,
-    is_duplicate_key,
-    store_fault,
-)
+from sweepd.db.engine import db_now, db_now_plus, is_duplicate_key, store_fault
 from sweepd.db.schema import UtcDateTime, sweep_leases
 from sweepd.errors import StoreError
 
@@ -257,7 +252,7 @@ class LeaseStore:
     ) -> Lost | None:
         """Why the UPDATE changed nothing, or None when there is no row yet."""
         row = connection.execute(self.sql.explain, params).first()
-        return None if row is None else why_lost(row, tick)
+        return None if row is None else why_lost(tuple(row), tick)
 
     def renew(self, name: str, holder: str, token: int, ttl: timedelta) -> bool:
         """Push the expiry out by ``ttl`` from the database's now; False if the lease
@@ -339,13 +334,15 @@ class LeaseStore:
         return value
 
 
-def why_lost(row: Any, tick: datetime | None) -> Lost:
-    """Why a claim of ``tick`` lost, from the lease row as the claim found it."""
-    if tick is not None and row.tick is not None and row.tick >= tick:
-        return Lost("already_run", row.holder, row.expires_at, row.tick)
-    if tick is not None and row.early:
-        return Lost("clock_skew", row.holder, row.expires_at, row.tick)
-    return Lost("lease_held", row.holder, row.expires_at, row.tick)
+def why_lost(found: tuple[Any, ...], tick: datetime | None) -> Lost:
+    """Why a claim of ``tick`` lost, from the lease row as the claim found it:
+    holder, expiry, last tick, and whether ``tick`` was early by its clock."""
+    holder, expires_at, last, early = found
+    if tick is not None and last is not None and last >= tick:
+        return Lost("already_run", holder, expires_at, last)
+    if tick is not None and early:
+        return Lost("clock_skew", holder, expires_at, last)
+    return Lost("lease_held", holder, expires_at, last)
 
 
 __all__ = [

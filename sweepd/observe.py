@@ -12,6 +12,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
@@ -165,3 +166,18 @@ def flush_logs() -> None:
 
 def get_logger(**context: Any) -> Any:
     return structlog.get_logger("sweepd").bind(**context)
+
+
+# A failed run's traceback in its run.finished line: the frames nearest the
+# error, which are the sweep's own, and no more text than a screen holds.
+TRACEBACK_FRAMES = 30
+TRACEBACK_CHARS = 8000
+
+
+def format_traceback(error: BaseException) -> str:
+    """A failed run's traceback: its last frames, and at most ``TRACEBACK_CHARS``
+    of text, cut at the front so that the error itself stays."""
+    text = "".join(traceback.format_exception(error, limit=-TRACEBACK_FRAMES)).rstrip()
+    if len(text) > TRACEBACK_CHARS:
+        text = "…" + text[-(TRACEBACK_CHARS - 1) :]
+    return text

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import inspect
 import threading
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from sweepd.history import History, Status, Trigger, describe_error
 from sweepd.lease import LeaseStore, Lost, Won
 from sweepd.metrics import Metrics
 from sweepd.model import SweepDef
+from sweepd.observe import format_traceback
 from sweepd.offload import Batcher, Threads, bounded
 from sweepd.slots import Peers, Slots
 from sweepd.store import Ask, Closed, Hand, Opened, Row, Started, TickStore, tick_store
@@ -42,10 +42,6 @@ CancelReason = Literal["timeout", "lost", "cancelled"]
 # end waits for it (its run.finished line, its sweep's next tick): its slot is
 # back already, and its lease, renewed at most ttl/3 ago, has time to spare.
 CLOSE_GATHER_SECONDS = 0.02
-# A failed run's traceback in its run.finished line: the frames nearest the
-# error, which are the sweep's own, and no more text than a screen holds.
-TRACEBACK_FRAMES = 30
-TRACEBACK_CHARS = 8000
 LOST_MESSAGE = "the lease was lost while the run was in flight"
 DRAIN_MESSAGE = "drain timeout reached"
 # What the row of a tick says when it was won for a flight that had gone.
@@ -170,13 +166,11 @@ class Runner:
         opened: Opened,
         log: Any,
     ) -> str:
-        """Run a won tick in the slot its claim took: attempts under renewals, then
-        finish and release."""
+        """Run a won tick in its slot: attempts under renewals, then finish and release."""
         assert isinstance(opened.claim, Won) and opened.started is not None
-        token = opened.claim.token
+        token, started = opened.claim.token, opened.started
         log = log.bind(fencing_token=token)
         lease_lost, cancelled = threading.Event(), threading.Event()
-        started = opened.started
         status: Status = "failed"
         ended: Ended | None = None  # the last attempt, its row finished with the release
         try:
@@ -198,8 +192,7 @@ class Runner:
                 if self.draining or lease_lost.is_set():  # no retry for a drain or a lost lease
                     break
         finally:
-            # The slot goes back as soon as the code is done, before the row is
-            # finished and the lease released: it bounds running code, and the
+            # The slot bounds running code, so it goes back before the close; the
             # sweep's next tick still waits for the release, in this flight.
             self._slots.give_back()
             self.renewals.drop(sweep.name)
@@ -490,13 +483,9 @@ class Runner:
         held.log.error("lease.lost", reason=why)
         self.stop(held.sweep.name, "lost")
         if why == "unreachable":
-            # The database may be down for every lease: claim nothing until it answers.
-            self._unhealthy()
-
-    def _unhealthy(self) -> None:
-        """Claim nothing until a probe reaches the database again."""
-        self.store_healthy = False
-        self._recover()
+            # The database may be down for every lease: claim nothing until a probe gets through.
+            self.store_healthy = False
+            self._recover()
 
     def _recover(self) -> None:
         """Once the database answers, write what could not be written."""
@@ -700,12 +689,3 @@ def _reason_text(attempt: Attempt) -> str | None:
     if attempt.reason != "timeout" or attempt.sweep.timeout is None:
         return None
     return f"timed out after {format_duration(attempt.sweep.timeout)}"
-
-
-def format_traceback(error: BaseException) -> str:
-    """A failed run's traceback: its last frames, and at most ``TRACEBACK_CHARS``
-    of text, cut at the front so that the error itself stays."""
-    text = "".join(traceback.format_exception(error, limit=-TRACEBACK_FRAMES)).rstrip()
-    if len(text) > TRACEBACK_CHARS:
-        text = "…" + text[-(TRACEBACK_CHARS - 1) :]
-    return text

@@ -2,21 +2,17 @@
 
 ``make_engine`` turns a URL into an engine set up for its dialect; around it
 are the database's clock as SQL (``db_now``), the reading of driver errors,
-and the wrapping of a driver cursor's errors (``driver_errors``) for the
-stores that run their hot statements on one (``sweepd/store/``). The stores
-own their SQL and its per-dialect forms.
+and ``driver_errors`` for the stores that run their hot statements on a
+driver cursor (``sweepd/store/``).
 
 Every engine here fails fast: a database that does not answer must fail a
 claim within seconds, loudly, rather than hang the daemon while it looks
-healthy. Lease statements are single statements, so engines run in
-autocommit: one round trip per statement, no BEGIN/COMMIT around it. The
-transactions spelled out are SQLite's batches (``store/sqlite.py``), whose
-statements must land together.
+healthy. Engines run in autocommit, one round trip per statement; the
+transactions spelled out are the tick stores' batches.
 """
 
 from __future__ import annotations
 
-import os
 import select
 import sqlite3
 import time
@@ -26,48 +22,18 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 
 from sweepd.db.schema import UtcDateTime
-from sweepd.errors import DatabaseFileError, StoreError, UsageError
-from sweepd.redact import mask_in, mask_url
+from sweepd.db.url import EXTRAS, DatabaseUrlError, check_sqlite_folder, normalize_url
+from sweepd.errors import StoreError
+from sweepd.redact import mask_in
 
 DEFAULT_TIMEOUT = timedelta(seconds=5)
 T = TypeVar("T")
-
-# Bare schemes mean our drivers: psycopg 3 and PyMySQL, not SQLAlchemy's defaults.
-_DRIVERS = {
-    "postgres": "postgresql+psycopg",
-    "postgresql": "postgresql+psycopg",
-    "mysql": "mysql+pymysql",
-    "mariadb": "mysql+pymysql",
-    "mariadb+pymysql": "mysql+pymysql",
-}
-# The extra that installs each of our drivers: a plain `pip install sweepd` has neither.
-_EXTRAS = {"postgresql+psycopg": "postgres", "mysql+pymysql": "mysql"}
-
-
-class DatabaseUrlError(UsageError):
-    """The database URL cannot be used."""
-
-
-def normalize_url(url: str) -> URL:
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise DatabaseUrlError(f"invalid database URL {mask_url(url)!r}") from None
-    driver = _DRIVERS.get(parsed.drivername)
-    if driver is not None:
-        parsed = parsed.set(drivername=driver)
-    if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
-        raise DatabaseUrlError(
-            f"unsupported database {parsed.get_backend_name()!r} in {mask_url(url)!r}"
-        )
-    return parsed
 
 
 def make_engine(
@@ -84,11 +50,11 @@ def make_engine(
         options["skip_autocommit_rollback"] = True
     options["connect_args"] = _connect_args(backend, seconds)
     if backend == "sqlite":
-        _check_sqlite_folder(parsed)
+        check_sqlite_folder(parsed)
     try:
         engine = create_engine(parsed, **options)
     except ImportError as error:  # SQLAlchemy imports the driver here
-        extra = _EXTRAS.get(parsed.drivername)
+        extra = EXTRAS.get(parsed.drivername)
         fix = f"pip install 'sweepd[{extra}]'" if extra else "install it"
         why = (str(error).splitlines() or [""])[0]  # psycopg's lists every attempt, a line each
         raise DatabaseUrlError(
@@ -129,49 +95,21 @@ def _connect_args(backend: str, seconds: int) -> dict[str, Any]:
     return {"timeout": seconds}  # SQLite's busy wait
 
 
-def _check_sqlite_folder(url: URL) -> None:
-    """Refuse a SQLite file whose folder cannot hold it, naming the path and why.
-
-    SQLite itself says only "unable to open database file", and the migration
-    lock beside the file fails before it. The folder must be writable, not
-    only the file: WAL keeps two more files beside the database.
-    """
-    database = url.database
-    if not database or database == ":memory:" or url.query.get("uri"):
-        return  # in memory, or a URI filename that SQLite resolves itself
-    path = os.path.abspath(database)
-    folder = os.path.dirname(path)
-    if not os.path.exists(folder):
-        wrong = f"the folder {folder} does not exist"
-    elif not os.path.isdir(folder):
-        wrong = f"{folder} is a file, not a folder"
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        wrong = f"the folder {folder} is not writable"
-    else:
-        return
-    raise DatabaseFileError(f"database file {path}: {wrong}")
-
-
 # A connection back from the pool after this long is pinged before use.
 PING_IDLE_SECONDS = 1.0
 
 
 def _ping_when_idle(engine: Engine, seconds: float) -> None:
-    """Pre-ping, but only connections that sat idle in the pool, and drop at
-    no cost those the server has already hung up on.
+    """Ping a connection back from the pool only if it sat idle, and drop at no
+    cost those the server has already hung up on.
 
-    SQLAlchemy's ``pool_pre_ping`` pings on every checkout, one extra round
-    trip per lease statement. A connection used within the last second is
-    not worth it; a connection idle longer (between ticks) is pinged, and a
-    dead one swapped for a new one before the claim sees it. A server that
-    restarts or shuts down says goodbye on every connection (PostgreSQL's
-    "terminating connection due to administrator command", or just the
-    socket's end), which leaves the idle socket readable: one ``poll`` of it
-    at checkout finds those, however recently used, so the first statement
-    after a restart goes on a new connection instead of failing. What is
-    left is a server that dies without a word in the second since the
-    connection's last use: that statement fails, loudly, and the pool
-    replaces the connection.
+    ``pool_pre_ping`` pings on every checkout, one more round trip per lease
+    statement. A server that restarts or shuts down says goodbye on every
+    connection, which leaves the idle socket readable: one ``poll`` at
+    checkout finds those, however recently used, so the first statement after
+    a restart goes on a new connection instead of failing. A server that dies
+    without a word within a second of the connection's last use fails that
+    statement, loudly, and the pool replaces the connection.
     """
 
     def on_checkin(_dbapi_connection: Any, record: Any) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from sweepd.db.engine import driver_errors, retry_deadlocks, store_fault
 from sweepd.history import LOST_ERROR, History
-from sweepd.lease import MICRO, Claim, LeaseStore, Lost, Won, why_lost
+from sweepd.lease import MICRO, Claim, LeaseStore, Won, why_lost
 from sweepd.store.base import Ask, Batch, Closed, Hand, Opened, TickStore, row_error
 
 # PostgreSQL claims up to :p_limit of a batch of ticks in one statement: the
@@ -323,9 +323,8 @@ def _outcome(row: OpenedRow, holder: str, tick: datetime | None) -> Claim | None
         return Won(token=int(row.token), holder=holder, tick=tick)
     if row.holder is None or (row.open and not row.early):
         return None
-    lost = why_lost(row, tick)
     # The driver gives timestamptz in the session's time zone; sweepd speaks UTC.
-    return Lost(lost.reason, lost.holder, _utc(lost.expires_at), _utc(lost.tick))
+    return why_lost((row.holder, _utc(row.expires_at), _utc(row.tick), row.early), tick)
 
 
 def _utc(value: datetime | None) -> datetime | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 from sqlalchemy import Connection, Dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
@@ -93,15 +93,6 @@ def sqlite_write(connection: Connection) -> Iterator[Any]:
             cursor.close()
 
 
-class _Seen(NamedTuple):
-    """A lease row as a lost claim found it."""
-
-    holder: str
-    expires_at: Any
-    tick: Any
-    early: bool
-
-
 class SqliteTicks(TickStore):
     def __init__(self, lease: LeaseStore, history: History, holder: str) -> None:
         super().__init__(lease, history, holder)
@@ -161,12 +152,12 @@ class SqliteTicks(TickStore):
             found = cursor.fetchone()
             if found is None:
                 unseen.add(ask.sweep.name)
-            results.append(None if found is None else why_lost(self._seen(found), ask.tick))
+                results.append(None)
+                continue
+            holder, expires_at, last, early = found
+            seen = (holder, self._time_out(expires_at), self._time_out(last), early)
+            results.append(why_lost(seen, ask.tick))
         return results, unseen
-
-    def _seen(self, found: tuple[Any, ...]) -> _Seen:
-        holder, expires_at, tick, early = found
-        return _Seen(holder, self._time_out(expires_at), self._time_out(tick), early)
 
     def _mark_stale(self, cursor: Any, name: str, token: int) -> int:
         """Mark the sweep's rows left running under an older token lost; how many."""
