@@ -235,7 +235,9 @@ class Daemon:
             self.flights[sweep.name] = Flight(sweep)
         else:
             flight.sweep = sweep  # the run in flight finishes with the settings it started with
-        self._count_schedule(sweep, now)
+        # The stale-after gauge, for an alert on a sweep nobody runs (`sweepd status`'s rule).
+        stale = stale_after(sweep.schedule, sweep.ttl, now)
+        self.metrics.stale_after.labels(sweep.name).set(stale.total_seconds())
         # No catch-up by default: the first tick is the next one from now, so
         # a restart or an edited schedule never causes a surprise run.
         first = next(ticks_from(sweep.schedule, now), None)
@@ -246,11 +248,6 @@ class Daemon:
                 self._enqueue(sweep.name, latest)
         if first is not None:
             self._push(sweep, first, generation)
-
-    def _count_schedule(self, sweep: SweepDef, now: datetime) -> None:
-        """The sweep's stale-after gauge, for an alert on a sweep nobody runs."""
-        limit = stale_after(sweep.schedule, sweep.ttl, now)  # the rule of `sweepd status`
-        self.metrics.stale_after.labels(sweep.name).set(limit.total_seconds())
 
     def _revive(self, name: str) -> Flight | None:
         """The flight of a sweep that a reload removed and this one adds back,

@@ -9,6 +9,7 @@ token proves the old holder's claim is over.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -26,6 +27,8 @@ LOST_ERROR = "the replica running it stopped renewing its lease"
 
 Status = Literal["running", "success", "failed", "timeout", "cancelled", "lost"]
 Trigger = Literal["schedule", "manual"]
+# A run attempt's row about to be written: sweep, tick, holder, token, attempt, trigger.
+Start = tuple[str, datetime | None, str, int, int, Trigger]
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,16 @@ class RunStatements:
         name = c.name == bindparam("p_name")
         self.stale_of = select(c.id, c.fencing_token).where(namespace, name, running)
         self.mark_lost = update(sweep_runs).where(one).values(**lost)
+        # Their lists, for the portable store's batches.
+        self.start_many = self.start.returning(c.id, sort_by_parameter_order=True)
+        names = c.name.in_(bindparam("p_names", expanding=True))
+        self.stale_of_many = select(c.id, c.name, c.fencing_token).where(namespace, names, running)
+        ids = c.id.in_(bindparam("p_ids", expanding=True))
+        self.mark_lost_many = update(sweep_runs).where(ids, running).values(**lost)
 
 
 RUN_SQL = RunStatements()
+_START = ("p_name", "p_tick", "p_holder", "p_token", "p_attempt", "p_trigger")  # a Start's
 
 
 class History:
@@ -97,22 +107,32 @@ class History:
         attempt: int,
         trigger: Trigger,
     ) -> int:
-        params = {
-            "p_namespace": self.namespace,
-            "p_name": name,
-            "p_tick": tick,
-            "p_holder": holder,
-            "p_token": token,
-            "p_attempt": attempt,
-            "p_trigger": trigger,
-        }
+        """Write the ``running`` row of a run attempt about to start; its id."""
+        return self.start_many([(name, tick, holder, token, attempt, trigger)])[0]
+
+    def start_many(self, starts: list[Start]) -> list[int]:
+        """``start`` for several attempts; their ids, in order. One INSERT for all
+        where the dialect returns a multi-row INSERT's ids in order (PostgreSQL,
+        SQLite, MariaDB), else one INSERT each on one connection."""
+        rows = [
+            {"p_namespace": self.namespace, **dict(zip(_START, s, strict=True))} for s in starts
+        ]
         try:
             with self.engine.connect() as connection:
-                key = connection.execute(RUN_SQL.start, params).inserted_primary_key
-                assert key is not None
-                return int(key[0])
+                # Read here: the dialect learns what the server can do when it first connects.
+                if (
+                    len(rows) > 1
+                    and connection.dialect.insert_executemany_returning_sort_by_parameter_order
+                ):
+                    return [int(i) for i in connection.execute(RUN_SQL.start_many, rows).scalars()]
+                ids = []
+                for row in rows:
+                    key = connection.execute(RUN_SQL.start, row).inserted_primary_key
+                    assert key is not None
+                    ids.append(int(key[0]))
+                return ids
         except SQLAlchemyError as error:
-            raise store_fault("run start", name, self.engine, error) from error
+            raise store_fault("run start", starts[0][0], self.engine, error) from error
 
     def finish(self, run_id: int, name: str, status: Status, error: str | None = None) -> None:
         """Record how the run ended (only while the row still says ``running``)."""
@@ -132,26 +152,27 @@ class History:
         except SQLAlchemyError as error_:
             raise store_fault("run finish", endings[0][1], self.engine, error_) from error_
 
-    def mark_lost(self, name: str, token: int) -> int:
-        """Mark the rows of a just-claimed sweep left ``running`` under an older
-        token lost: their holder is gone. How many there were."""
-        namespace = {"p_namespace": self.namespace, "p_name": name}
+    def mark_lost(self, claimed: dict[str, int]) -> dict[str, int]:
+        """Mark the rows of just-claimed sweeps (name -> new token) left ``running``
+        under an older token lost: their holder is gone. How many, per sweep."""
 
-        def mark() -> int:
+        def mark() -> dict[str, int]:
             # Ids first, then an UPDATE by primary key: an UPDATE searching by
             # (namespace, status) would lock the index entries of every running
             # sweep and deadlock with their own finish on MySQL.
+            names = {"p_namespace": self.namespace, "p_names": list(claimed)}
             with self.engine.connect() as connection:
-                found = connection.execute(RUN_SQL.stale_of, namespace)
-                stale = [run_id for run_id, older in found if older < token]
-                for run_id in stale:
-                    connection.execute(RUN_SQL.mark_lost, {"p_id": run_id})
-                return len(stale)
+                found = connection.execute(RUN_SQL.stale_of_many, names).all()
+                stale = [(run_id, name) for run_id, name, older in found if older < claimed[name]]
+                if stale:
+                    ids = {"p_ids": [run_id for run_id, _ in stale]}
+                    connection.execute(RUN_SQL.mark_lost_many, ids)
+                return Counter(name for _, name in stale)
 
         try:
             return retry_deadlocks(mark)
         except SQLAlchemyError as error:
-            raise store_fault("mark lost", name, self.engine, error) from error
+            raise store_fault("mark lost", next(iter(claimed)), self.engine, error) from error
 
     def prune(self, keep: timedelta) -> int:
         """Delete finished rows that started longer than ``keep`` ago (database clock)."""

@@ -1,10 +1,9 @@
 """The lease: which replica runs a tick, decided by the database alone.
 
-One row per (namespace, sweep) in ``sweep_leases``. The lease's statements
-are built here, once (``LeaseStatements``), and know nothing of schedules: a
-tick is just an instant that must be newer than the last one claimed. The
-daemon's tick stores (``sweepd.store``) run these same statements in their
-batches, except PostgreSQL's, whose batched claim is one statement of its own.
+One row per (namespace, sweep) in ``sweep_leases``. Its statements are built
+here, once (``LeaseStatements``), and know nothing of schedules: a tick is an
+instant newer than the last one claimed. The tick stores (``sweepd.store``)
+run them in their batches, but for PostgreSQL's one-statement batch.
 
 Why a row and not an advisory lock: a session-level advisory lock belongs to
 one pooled connection, and a release that lands on another connection

@@ -146,11 +146,9 @@ class Batcher(Generic[Item, Result]):
     """Gathers the items submitted in one turn of the loop, or within ``gather``
     seconds of the first, into one bounded call.
 
-    ``work`` gets the items in submission order and returns one result per
-    item, a ``StoreError`` standing for an item that failed on its own; if
-    ``work`` raises, every item of the batch fails with that error. No item
-    waits for a batch to fill: the batch leaves at the end of the turn in
-    which its first item came, or ``gather`` seconds after it.
+    ``work`` gets the items in submission order and returns a result per
+    item, a ``StoreError`` for one that failed on its own; if ``work``
+    raises, every item fails with that error. No batch waits to fill.
     """
 
     def __init__(

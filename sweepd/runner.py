@@ -1,11 +1,9 @@
-"""One tick of one sweep: take a slot (which claims it), record, call,
-renew, retry, finish, release.
+"""One tick of one sweep: take a slot (which claims it), call, renew, retry, close.
 
-Every outcome is accounted for: a claim that loses is a counted, logged
-skip; a claim that fails is a loud error; a run that starts writes its row
-before the sweep's code is called and finishes it after, whatever happened.
-A row or a release that could not be written is written again as soon as
-the database answers.
+Every outcome is accounted for: a lost claim is a counted skip, a failed one
+a loud error; a run's row is written before its code is called and finished
+after, whatever happened, and a row or a release that could not be written
+is written again as soon as the database answers.
 """
 
 from __future__ import annotations
@@ -509,12 +507,9 @@ class Runner:
             await self.clock.sleep(1.0)  # answered the probe, failed the writes: again
 
     async def settle(self) -> None:
-        """Write the endings and releases that failed when their runs ended.
-
-        A run that ended during an outage must not stay ``running`` in the
-        history, nor its lease block the sweep's next tick on every replica
-        until its ttl runs out. One settle at a time: two would write, and
-        then drop, the same ending twice.
+        """Write the endings and releases that failed when their runs ended: a
+        run must not stay ``running``, nor its lease block the sweep's next tick
+        until its ttl runs out. One at a time: two would write an ending twice.
         """
         if self._settling is None or self._settling.done():
             self._settling = spawn(self._settle(), name="settle")

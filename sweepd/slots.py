@@ -1,15 +1,12 @@
 """The ``concurrency`` slots, handed out by claiming ticks in batches.
 
 A tick waiting for a slot holds no lease (§5), so a replica may only claim
-as many ticks as it has free slots. But a replica that claims every due tick
-one at a time, each in a slot, spends most of a burst losing claims that
-other replicas already won. So flights hand their ticks in here, and the
-slots claim for them: with ``k`` slots free, one call asks the database for
-at most ``k`` of the first ``LOOKAHEAD * k`` ticks waiting, in the replica's
-order. Those won take the slots; those lost (already run, held, early) are
-answered at once and never took one; the rest wait for the next call, which
-leaves when this one is back and a slot is free. In a backlog it also waits,
-briefly, for the busy slots, so that one call claims for all of them.
+as many ticks as it has free slots; claimed one at a time, most of a burst
+would be claims lost to other replicas. So flights hand their ticks in here:
+with ``k`` slots free, one call asks for at most ``k`` of the first
+``LOOKAHEAD * k`` ticks waiting, in the replica's order. Those won take the
+slots, those lost are answered at once, the rest wait for the next call. In
+a backlog a call also waits, briefly, for the busy slots to come back.
 
 A replica that has lost ticks to others lately claims only its share of a
 burst in one call (``Peers``): the first call to reach the database would
@@ -83,11 +80,10 @@ class Slots(Generic[Item, Result]):
 
     ``claim`` runs on a worker thread and returns, per item in order, a
     result, a ``StoreError`` for an item that failed on its own, or None for
-    one not decided yet. ``holds(result)`` says whether a result won a slot.
-    ``share(waiting)``, if given, bounds one call's wins when that many wait.
-    ``orphaned(item, result)`` gets a result that holds a slot but came back for a
-    tick whose flight has gone (cancelled while the call was out): it must
-    give back what the result holds, since nobody else will.
+    one not decided yet. ``holds(result)``: whether it won a slot.
+    ``share(waiting)`` bounds one call's wins when that many wait.
+    ``orphaned(item, result)`` must give back what a won result holds when
+    its flight has gone (cancelled while the call was out).
     """
 
     def __init__(

@@ -103,13 +103,11 @@ def _ping_when_idle(engine: Engine, seconds: float) -> None:
     """Ping a connection back from the pool only if it sat idle, and drop at no
     cost those the server has already hung up on.
 
-    ``pool_pre_ping`` pings on every checkout, one more round trip per lease
-    statement. A server that restarts or shuts down says goodbye on every
-    connection, which leaves the idle socket readable: one ``poll`` at
-    checkout finds those, however recently used, so the first statement after
-    a restart goes on a new connection instead of failing. A server that dies
-    without a word within a second of the connection's last use fails that
-    statement, loudly, and the pool replaces the connection.
+    ``pool_pre_ping`` costs a round trip per checkout. A server that restarts
+    says goodbye on every connection, which leaves the idle socket readable:
+    one ``poll`` at checkout finds those, so the first statement after a
+    restart goes on a new connection. One that dies without a word within a
+    second of the connection's last use fails that statement, loudly.
     """
 
     def on_checkin(_dbapi_connection: Any, record: Any) -> None:

@@ -7,14 +7,11 @@ extends the leases a replica holds. The runner calls these (through
 ``sweepd.slots`` and ``sweepd.offload``) and nothing else; no caller builds
 SQL, knows a dialect, or sees a cursor.
 
-This class is the portable store: each step one statement, in turn, through
-the lease (``sweepd.lease``) and the history (``sweepd.history``). MySQL and
-MariaDB use it as it is. ``postgresql.py`` and ``sqlite.py`` make a batch
-one transaction instead, so a tick is never claimed without its row and a
-lease never freed before its row says how the run ended (else the next
-holder would mark a finished run lost); where the portable steps run in
-turn, a won tick whose row failed is reported as such, so its lease is
-still released.
+This class is the portable store, which MySQL and MariaDB use: the lease's
+and the history's statements in turn, each its own transaction, so a won tick
+whose row failed is reported as such and its lease still released.
+``postgresql.py`` and ``sqlite.py`` make a batch one transaction: a tick is
+never claimed without its row, nor a lease freed before its row is finished.
 """
 
 from __future__ import annotations
@@ -98,33 +95,58 @@ class TickStore:
         for i, opened in zip(batch, found, strict=True):
             results[i] = opened
         won = sum(isinstance(r, Opened) and isinstance(r.claim, Won) for r in results)
-        for i in unique:
-            if won < limit and (asks[i].tick is None or asks[i].sweep.name in unseen):
-                one = results[i] = self._open_one(asks[i])
-                won += isinstance(one, Opened) and isinstance(one.claim, Won)
+        rest = [i for i in unique if asks[i].tick is None or asks[i].sweep.name in unseen]
+        if rest and won < limit:
+            for i, one in zip(
+                rest, self._open_each([asks[i] for i in rest], limit - won), strict=True
+            ):
+                results[i] = one
         return results
 
     def open_batch(self, asks: list[Ask], limit: int) -> Batch:
         """Scheduled ticks of different sweeps, in one go where the dialect allows.
-        The portable store decides none here: every sweep goes to ``_open_one``."""
+        The portable store decides none here: every sweep goes to ``_open_each``."""
         return [None] * len(asks), {ask.sweep.name for ask in asks}
 
-    def _open_one(self, ask: Ask) -> Opened | StoreError:
-        """The lease and history calls in turn: claim, mark stale rows lost, write the row."""
-        name = ask.sweep.name
+    def _open_each(self, asks: list[Ask], limit: int) -> list[Opened | StoreError | None]:
+        """The lease and history calls in turn: a claim each until ``limit`` are
+        won, then one stale-row check and one insert for the rows of those won."""
+        results: list[Opened | StoreError | None] = []
+        won: list[tuple[Ask, Opened, int]] = []
+        for ask in asks:
+            if len(won) >= limit:
+                results.append(None)
+                continue
+            try:
+                opened = Opened(
+                    self.lease.claim(ask.sweep.name, self.holder, ask.sweep.ttl, ask.tick)
+                )
+            except StoreError as error:
+                results.append(error)
+                continue
+            results.append(opened)
+            if isinstance(opened.claim, Won):
+                won.append((ask, opened, opened.claim.token))
+        if won:
+            self._start_won(won)
+        return results
+
+    def _start_won(self, won: list[tuple[Ask, Opened, int]]) -> None:
         try:
-            opened = Opened(self.lease.claim(name, self.holder, ask.sweep.ttl, ask.tick))
+            lost = self.history.mark_lost({ask.sweep.name: token for ask, _, token in won})
         except StoreError as error:
-            return error
-        if not isinstance(opened.claim, Won):
-            return opened
-        token = opened.claim.token
+            for _, opened, _ in won:
+                opened.lost_error = str(error)
+        else:
+            for ask, opened, _ in won:
+                opened.lost_runs = lost.get(ask.sweep.name, 0)
+        starts = [(a.sweep.name, a.tick, self.holder, token, 1, a.trigger) for a, _, token in won]
         try:
-            opened.lost_runs = self.history.mark_lost(name, token)
+            ids: list[Started] = list(self.history.start_many(starts))
         except StoreError as error:
-            opened.lost_error = str(error)
-        opened.started = self.start(name, ask.tick, token, 1, ask.trigger)
-        return opened
+            ids = [str(error)] * len(won)
+        for (_, opened, _), started in zip(won, ids, strict=True):
+            opened.started = started
 
     # -- close ---------------------------------------------------------------------------
 

@@ -184,14 +184,10 @@ def prepare_for(rows: int) -> bool | None:
 def driver_rows(
     connection: Connection, sql: str, params: Mapping[str, Any], *, prepare: bool | None = None
 ) -> list[Any]:
-    """Run ``sql`` (in the driver's own parameter style) on the connection's
-    driver cursor and return its rows as the driver gives them.
-
-    For the daemon's few hot statements only: SQLAlchemy's execution and
-    result layers are about a third of such a call's client CPU, paid on
-    every tick. A failure comes out as from ``Connection.execute``.
-    ``prepare`` is psycopg's: False plans the statement afresh for these
-    parameters, where by default it is prepared after its fifth run.
+    """The rows of ``sql`` (in the driver's parameter style), run on the
+    connection's driver cursor: SQLAlchemy's execution and result layers are
+    a third of a batch's client CPU. A failure comes out as from
+    ``Connection.execute``. ``prepare`` is psycopg's (False: plan it afresh).
     """
     dbapi_connection = connection.connection.dbapi_connection
     assert dbapi_connection is not None  # a checked-out connection always has one
@@ -208,14 +204,10 @@ def driver_rows(
 def pg_array(values: Iterable[str | int | datetime | None]) -> str:
     """A PostgreSQL array literal of ``values``, for ``CAST(:p AS type[])``.
 
-    psycopg adapts a Python list element by element, finding a dumper for
-    each: a claim's three short lists cost about 60 us of client CPU, one
-    string each about 8, and the server parses either just as fast. Every
-    element is quoted, with backslashes before quotes and backslashes, so
-    any text survives (a name ``null`` stays a name); an aware time is
-    written with its offset, so the session's time zone cannot shift it.
-    A claim sends three of these, an element in each for every tick it asks
-    about: hence one loop, and no call per element.
+    psycopg adapts a list element by element: a claim's three lists cost about
+    60 us of client CPU, one string each about 8. Every element is quoted and
+    escaped, so any text survives (a name ``null`` stays a name), and an aware
+    time carries its offset, so the session's time zone cannot shift it.
     """
     parts: list[str] = []
     for value in values:

@@ -66,13 +66,11 @@ def driver_times(
 def sqlite_write(connection: Connection) -> Iterator[Any]:
     """A driver cursor inside ``BEGIN IMMEDIATE`` ... ``COMMIT`` on a SQLite connection.
 
-    For statements that must land together, or not at all. IMMEDIATE takes
-    the file's one write lock before the first statement (waiting up to the
-    busy timeout), so what they read no other writer changes before they
-    commit, and the whole batch pays one commit instead of one each. On any
-    failure the transaction is rolled back; if even that fails the
-    connection is invalidated, since one returned to the pool mid-transaction
-    would keep the write lock and stall every writer of the file.
+    IMMEDIATE takes the file's one write lock before the first statement, so
+    no other writer changes what they read before they commit, and the batch
+    pays one commit. On a failure the transaction is rolled back, or else the
+    connection invalidated: back in the pool mid-transaction, it would keep
+    the write lock and stall every writer of the file.
     """
     dbapi_connection = connection.connection.dbapi_connection
     assert dbapi_connection is not None  # a checked-out connection always has one
