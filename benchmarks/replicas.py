@@ -473,7 +473,9 @@ class Run:
 def read_runs(folder: Path) -> list[Run]:
     runs: list[Run] = []
     for path in sorted(folder.glob("runs-*.jsonl")):
-        for line in path.read_text().splitlines():
+        # Read while the replicas still write: a last line without its newline
+        # is a write in progress, read again at the next settle.
+        for line in path.read_text().split("\n")[:-1]:
             if line.strip():
                 record = json.loads(line)
                 runs.append(Run(record["sweep"], record["tick_us"], record["at"], record["pid"]))
