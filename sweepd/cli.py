@@ -673,19 +673,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.ClickException as exc:
         context = getattr(exc, "ctx", None)
         where = context.command_path if context is not None else "sweepd"
-        click.echo(f"{where}: {exc.format_message()}", err=True)
+        _say(f"{where}: {exc.format_message()}")
         return ExitCode.USAGE
     except click.Abort:
         return 130
     except ConfigError as exc:
         for problem in exc.problems:
-            click.echo(str(problem), err=True)
+            _say(str(problem))
         return exc.exit_code
     except (SweepdError, SQLAlchemyError) as exc:
         message, status = _failure(exc)
-        click.echo(f"sweepd: {message}", err=True)
+        _say(f"sweepd: {message}")
         return status
     return int(result or 0)
+
+
+def _say(line: str) -> None:
+    """One line on stderr: a control character from the input (a line break, an
+    escape) is written as its escape, so it cannot split or garble the line."""
+    click.echo("".join(c if c.isprintable() else repr(c)[1:-1] for c in line), err=True)
 
 
 def _failure(error: SweepdError | SQLAlchemyError) -> tuple[str, int]:

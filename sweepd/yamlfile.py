@@ -71,7 +71,15 @@ def spell_path(path: Path) -> str:
 
 def load(text: str, source: str) -> Located:
     """Parse ``text``; raise ``YamlSyntaxError`` located at the offending mark."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:  # a character YAML refuses, found before parsing
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - text.rfind("\n", 0, exc.position)
+        raise YamlSyntaxError(
+            f"{source}:{line}:{column}",
+            f"invalid YAML: unacceptable character #x{exc.character:04x}: {exc.reason}",
+        ) from exc
     try:
         root = loader.get_single_node()
         located = Located(data=None, source=source)
