@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, event, select, text
 from sqlalchemy.engine import make_url
 from tcp_proxy import proxy_for
 
@@ -396,3 +396,28 @@ def test_two_asks_for_one_sweep_in_one_batch_never_both_win(
             select(sweep_runs.c.name).where(sweep_runs.c.status == "running")
         ).scalars()
         assert sorted(runs) == [sweep.name, other.name]
+
+
+def test_the_portable_store_writes_the_rows_it_won_in_one_insert_from_its_first_open(
+    make_database: MakeDatabase, engines: Callable[[str], Engine]
+) -> None:
+    # MariaDB returns a multi-row INSERT's ids, but its dialect learns so only at
+    # its first connect: read before that, it said no and wrote a row per INSERT.
+    url = make_database("mariadb")
+    migrate.upgrade(url)
+    engine = engines(url)  # not yet connected
+    store = ticks_of(engine, "a")
+    close_all(store, open_all(store, 1))  # the first claims, which insert the lease rows
+    inserts: list[bool] = []
+
+    def count(_c: object, _cur: object, sql: str, _p: object, _x: object, many: bool) -> None:
+        if sql.lstrip().upper().startswith("INSERT INTO SWEEP_RUNS"):
+            inserts.append(many)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        opened = open_all(store, 2)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert all(isinstance(o.claim, Won) for o in opened)
+    assert inserts == [True]  # one statement for the three rows
