@@ -88,3 +88,11 @@ def test_generated_command_lines_get_a_usage_line_not_a_traceback(
 ) -> None:
     # The config given last cannot exist: whatever else parses, no daemon starts.
     check([command, *rest, "--config", "no/such/sweepd.yaml"], capfd)
+
+
+def test_a_line_break_in_an_argument_stays_inside_its_one_line(
+    clean_environment: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # U+0085 is a line break to str.splitlines: written as is, it split click's message.
+    _, err = check(["check-config", "a\x85b", "--config", "no/such/sweepd.yaml"], capfd)
+    assert len(err.splitlines()) == 1 and "a\\x85b" in err, err
