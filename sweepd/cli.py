@@ -229,7 +229,20 @@ def _serve(
         return load_settings(settings.path, environment, Overrides(database_url=database))
 
     daemon = Daemon(settings, engine, dry_run=dry_run, reload=reload)
-    return asyncio.run(serve(daemon, log, early, environment.systemd))
+    status = asyncio.run(serve(daemon, log, early, environment.systemd))
+    left = _threads_left()
+    if left:
+        log.warning("daemon.threads_left", threads=left, action="exit without waiting for them")
+    return status
+
+
+def _threads_left() -> list[str]:
+    """Threads a sweep started and left running (not daemon threads): the
+    interpreter's exit would wait for them, forever if they never end."""
+    import threading
+
+    main = threading.main_thread()
+    return [t.name for t in threading.enumerate() if t is not main and not t.daemon]
 
 
 def _database_url(
@@ -707,12 +720,13 @@ def _failure(error: SweepdError | SQLAlchemyError) -> tuple[str, int]:
 def entry() -> None:
     status = main()
     runner = sys.modules.get("sweepd.runner")  # loaded only by `sweepd run`
-    if runner is not None and runner.sweep_threads_busy():
-        # A sync sweep that ignored its cancel is still running on its thread.
-        # Its run is recorded and its lease released; what is left is the
-        # interpreter's teardown, which would free the modules under that
-        # thread's feet (CPython 3.11 can crash there: a drain exited with
-        # SIGSEGV, once, in this project's CI). Nothing here needs it.
+    if runner is not None and (runner.sweep_threads_busy() or _threads_left()):
+        # A sync sweep that ignored its cancel is still running on its thread,
+        # or a sweep left a thread of its own. Every run is recorded and every
+        # lease released; what is left is the interpreter's teardown, which
+        # would wait for those threads, or free the modules under their feet
+        # (CPython 3.11 can crash there: a drain exited with SIGSEGV, once, in
+        # this project's CI). Nothing here needs it.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -3,7 +3,8 @@
 The shared servers cannot be stopped, so tests put this proxy between the code under test
 and the server: ``stop()`` closes every proxied connection and refuses new ones, as a
 stopped server does; ``start()`` brings it back on the same port; ``freeze()`` is a server
-that stops answering without closing anything.
+that stops answering without closing anything; ``stall()`` holds every byte in both directions
+until ``resume()`` delivers them, as a network partition that heals before TCP gives up does.
 """
 
 from __future__ import annotations
@@ -51,13 +52,17 @@ class TcpProxy:
 
     With ``port=0`` the first start() picks a port, then keeps it so a URL stays valid.
     ``freeze()`` is a server that stops answering without closing anything (a hung or
-    partitioned host): bytes are read and dropped in both directions.
+    partitioned host): bytes are read and dropped in both directions. ``stall()`` keeps the
+    bytes instead, in order, and ``resume()`` sends them on: what was sent during the stall
+    arrives late, not never.
     """
 
     def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
         self.upstream = upstream
         self.port = port
         self._frozen = threading.Event()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
@@ -78,11 +83,18 @@ class TcpProxy:
     def freeze(self) -> None:
         self._frozen.set()
 
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     def stop(self) -> None:
         with self._lock:
             listener, self._listener = self._listener, None
             sockets, self._sockets = self._sockets, set()
             threads, self._threads = self._threads, []
+        self._flowing.set()  # a pump holding bytes must get to its socket's error and end
         if listener is not None:
             _close(listener)
         for sock in sockets:
@@ -124,6 +136,8 @@ class TcpProxy:
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                # One pump per direction, so waiting here keeps the held bytes in order.
+                self._flowing.wait()
                 if not self._frozen.is_set():
                     sink.sendall(data)
         except OSError:

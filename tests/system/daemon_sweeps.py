@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import json
 import os
+import threading
 import time
 from typing import Any
+
+from sqlalchemy import Engine, create_engine, text
 
 from sweepd import SweepContext
 
@@ -147,3 +151,45 @@ def fenced(
         lease_lost=told,
         **_fields(ctx),
     )
+
+
+@functools.cache
+def _engine(url: str) -> Engine:
+    return create_engine(url)  # one pool per process and URL, as an application keeps
+
+
+def fenced_sql(ctx: SweepContext, out: str, url: str, duration: float = 1.0) -> None:
+    """Sync: work ``duration`` seconds, then write the result to a row of table ``fence`` in
+    the database at ``url``, only if the run's token is above the one written last.
+
+    The write goes over the run's own connection, so a network that stalls the daemon's
+    statements stalls it too, and it arrives when the network heals: after a newer holder's,
+    if one took over meanwhile. The condition in the UPDATE is what refuses it then, as a
+    fenced store does. The ``end`` line says whether it was accepted.
+    """
+    _write(out, event="start", at=time.time(), **_fields(ctx))
+    time.sleep(duration)
+    with _engine(url).begin() as connection:
+        accepted = (
+            connection.execute(
+                text("UPDATE fence SET token = :token WHERE name = :name AND token < :token"),
+                {"token": ctx.fencing_token, "name": ctx.name},
+            ).rowcount
+            == 1
+        )
+    _write(out, event="end", at=time.time(), accepted=accepted, **_fields(ctx))
+
+
+def leaky(ctx: SweepContext, out: str) -> None:
+    """Sync: starts a thread that never ends, not a daemon thread (as a client library's
+    flusher may be), and returns. The interpreter waits for such threads before it exits."""
+    _write(out, event="start", at=time.time(), **_fields(ctx))
+    name = f"leaked-{ctx.tick:%H%M%S}"
+    threading.Thread(target=threading.Event().wait, name=name, daemon=False).start()
+    _write(out, event="end", at=time.time(), **_fields(ctx))
+
+
+def hung(ctx: SweepContext, out: str) -> None:
+    """Sync: a call that never returns, and no look at ``ctx.cancelled``."""
+    _write(out, event="start", at=time.time(), **_fields(ctx))
+    threading.Event().wait()
