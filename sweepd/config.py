@@ -155,38 +155,77 @@ Listen = Annotated[str, AfterValidator(_listen)]
 Url = Annotated[str, AfterValidator(_url)]
 
 
+@dataclass(frozen=True)
+class Shown:
+    """A default as docs/configuration.md shows it, where the model's own cannot say it.
+
+    A None default in a sweep means "resolved later" (from ``defaults``, the
+    ``@sweep``, or the resolver), so the page needs the words; ``{default}``
+    stands for the model's own default, kept in one place.
+    """
+
+    default: str
+
+
 class _Strict(BaseModel):
     # strict: YAML already typed the values, so "4" is not silently a 4 and
     # "yes" is not silently True; extra="forbid": a misspelt key is an error.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # The attribute docstrings are the key reference (sweepd.reference).
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
+    )
 
 
-# -- the file's shape -----------------------------------------------------------
+# -- the file's shape: each key's docstring is its line in docs/configuration.md --
 
 
 class RetriesFile(_Strict):
     max: int = Field(default=0, ge=0, le=1000)
+    """how many times a `failed` or `timeout` attempt is run again"""
     backoff: NonNegativeDuration = timedelta(0)
+    """the wait before each retry"""
+
+
+_ONE_SCHEDULE = Shown("exactly one of `every`, `cron`")
 
 
 class SweepFile(_Strict):
     """One ``sweeps:`` item, or one ``@sweep(...)``: every field optional but name."""
 
     name: Name
-    callable: Target | None = None
-    every: PositiveDuration | None = None
-    cron: str | None = None
-    anchor: Anchor | None = None
-    timezone: Zone | None = None
-    jitter: NonNegativeDuration | None = None
-    ttl: PositiveDuration | None = None
-    timeout: PositiveDuration | None = None
-    misfire_grace: NonNegativeDuration | None = None
+    """`[a-z0-9][a-z0-9._-]{0,127}`, unique; names starting `sweepd.` are reserved"""
+    callable: Annotated[Target | None, Shown("the `@sweep` of this name")] = None
+    """`module:attribute` (the attribute may be dotted), sync or async"""
+    every: Annotated[PositiveDuration | None, _ONE_SCHEDULE] = None
+    """an interval, its ticks aligned to the Unix epoch (or `anchor`)"""
+    cron: Annotated[str | None, _ONE_SCHEDULE] = None
+    """a five-field crontab expression, or one of crontab's aliases (below)"""
+    anchor: Annotated[Anchor | None, Shown("the Unix epoch")] = None
+    """`every` only: an aware ISO datetime the interval counts from"""
+    timezone: Annotated[Zone | None, Shown("from `defaults.timezone`")] = None
+    """`cron` only: an IANA zone"""
+    jitter: Annotated[NonNegativeDuration | None, Shown("`0s`")] = None
+    """a random delay before firing; never changes the tick's identity"""
+    ttl: Annotated[PositiveDuration | None, Shown("from `defaults.ttl`")] = None
+    """as `defaults.ttl`, for this sweep"""
+    timeout: Annotated[PositiveDuration | None, Shown("from `defaults.timeout`")] = None
+    """as `defaults.timeout`, for this sweep; `null` is no limit, whatever `defaults` says"""
+    misfire_grace: Annotated[
+        NonNegativeDuration | None,
+        Shown("from `defaults.misfire_grace`"),
+    ] = None
+    """as `defaults.misfire_grace`, for this sweep; kept as written, even when longer than the
+    interval (that is warned about)"""
     retries: RetriesFile | None = None
-    args: dict[str, Any] | None = None
-    enabled: bool | None = None
-    coalesce: Literal["latest", "earliest"] | None = None
-    catch_up: Literal["none", "latest"] | None = None
+    """retries within the same tick, under the same lease"""
+    args: Annotated[dict[str, Any] | None, Shown("`{}`")] = None
+    """keyword arguments for the callable"""
+    enabled: Annotated[bool | None, Shown("`true`")] = None
+    """`false` keeps the sweep defined but never fires it"""
+    coalesce: Annotated[Literal["latest", "earliest"] | None, Shown("`latest`")] = None
+    """which tick a queued tick keeps when later ones fold into it"""
+    catch_up: Annotated[Literal["none", "latest"] | None, Shown("`none`")] = None
+    """`latest` runs the most recent missed tick at start if no replica ran it"""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -200,42 +239,70 @@ class SweepFile(_Strict):
 
 
 class DatabaseFile(_Strict):
-    url: Url | None = None
+    url: Annotated[Url | None, Shown(f"`{DEFAULT_DATABASE_URL}`")] = None
+    """SQLAlchemy URL: `sqlite:///PATH`, `postgresql+psycopg://…`, `mysql+pymysql://…`. A
+    relative SQLite path is relative to the working directory."""
     url_file: str | None = None
+    """a file holding the URL (a mounted secret); give this or `url`, not both"""
     migrate: Literal["auto", "never"] = "auto"
+    """`auto` upgrades the schema at start; `never` refuses to start when it is not current"""
 
 
 class DefaultsFile(_Strict):
     ttl: PositiveDuration = timedelta(seconds=3)
+    """lease time to live for sweeps that set none: how long a crashed replica can block its
+    sweeps, and how long the database may be unreachable before a run is told `lease_lost`"""
     timeout: PositiveDuration | None = None
+    """run time limit for sweeps that set none; `null` is no limit"""
     timezone: Zone = "UTC"
-    misfire_grace: NonNegativeDuration = timedelta(seconds=30)
+    """time zone of `cron` schedules that set none"""
+    misfire_grace: Annotated[
+        NonNegativeDuration, Shown("{default}, or the interval when shorter")
+    ] = timedelta(seconds=30)
+    """a tick fired later than this after its time is recorded missed; left out here and in the
+    sweep, an `every` sweep gets the smaller of this default and its interval"""
 
 
 class HealthFile(_Strict):
     listen: Listen = "127.0.0.1:9464"
+    """`HOST:PORT` of `/healthz`, `/readyz`, `/metrics`; `""` disables, port 0 picks one (logged
+    as `health.listening`); replicas on one host each need a port of their own. See
+    docs/operations.md"""
 
 
 class LoggingFile(_Strict):
     format: Literal["auto", "console", "json"] = "auto"
+    """`auto` is console on a terminal, else JSON"""
     level: Literal["debug", "info", "warning", "error"] = "info"
+    """the least severe level logged"""
 
 
 class HistoryFile(_Strict):
     keep: PositiveDuration = timedelta(days=14)
+    """how long run rows are kept"""
 
 
 class ConfigFile(_Strict):
     database: DatabaseFile = DatabaseFile()
+    """the database every replica shares"""
     namespace: Name = "default"
+    """leases and runs are scoped by it, so several deployments can share a database"""
     entrypoints: list[Module] = []
+    """modules imported at start; their `@sweep` functions register"""
     concurrency: int = Field(default=4, ge=1, le=10_000)
+    """distinct sweeps one replica runs at once"""
     drain_timeout: NonNegativeDuration = timedelta(seconds=30)
+    """how long in-flight runs may finish after SIGTERM/SIGINT"""
     defaults: DefaultsFile = DefaultsFile()
+    """settings for the sweeps that set none of their own"""
     health: HealthFile = HealthFile()
+    """the HTTP server for probes and metrics"""
     logging: LoggingFile = LoggingFile()
+    """the log lines on stderr"""
     history: HistoryFile = HistoryFile()
+    """the run rows in the database"""
     sweeps: list[SweepFile] | None = None
+    """the list below; may be absent when every sweep is declared in Python"""
 
 
 # -- loading ---------------------------------------------------------------------
