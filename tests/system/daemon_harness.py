@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from sweepd.db.engine import make_engine
 from sweepd.db.schema import sweep_runs
 
 HERE = Path(__file__).resolve().parent
+TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}  # every end a row can say
 REPO = HERE.parents[1]
 
 
@@ -177,6 +179,11 @@ def overlaps(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str,
     return found
 
 
+def row_seconds(value: datetime) -> float:
+    """A row's datetime in Unix seconds (a naive one is UTC, as MySQL's driver returns it)."""
+    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp()
+
+
 def seconds(value: str | datetime) -> float:
     """Unix seconds of an ISO text (``Z`` or ``+00:00``) or an aware datetime."""
     instant = value if isinstance(value, datetime) else datetime.fromisoformat(value)
@@ -206,6 +213,27 @@ def stop_all(
         if replica.process is not None and replica.process.poll() is None:
             replica.signal(signum)
     return [replica.wait(timeout) for replica in replicas]
+
+
+def assert_each_tick_once_and_every_run_recorded(
+    runs: list[dict[str, Any]], rows: list[dict[str, Any]]
+) -> None:
+    """No tick started twice, by any replica; every run that started has its row, and every row
+    says how its run ended."""
+    started = Counter((r["sweep"], seconds(r["tick"])) for r in runs if r["event"] == "start")
+    twice = {key: n for key, n in started.items() if n > 1}
+    assert not twice, f"ticks started more than once: {twice}"
+    recorded = {(r["name"], row_seconds(r["tick"]), r["fencing_token"]) for r in rows}
+    unrecorded = [
+        r
+        for r in runs
+        if r["event"] == "start" and (r["sweep"], seconds(r["tick"]), r["token"]) not in recorded
+    ]
+    assert not unrecorded, f"runs without a row: {unrecorded[:5]}"
+    open_rows = [
+        (r["name"], str(r["tick"]), r["status"]) for r in rows if r["status"] not in TERMINAL
+    ]
+    assert not open_rows, f"rows that do not say how their run ended: {open_rows[:5]}"
 
 
 class Cluster:

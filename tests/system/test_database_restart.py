@@ -24,7 +24,16 @@ from pathlib import Path
 
 import pytest
 from conftest import IN_CI, SERVERS
-from daemon_harness import Cluster, overlaps, read_rows, read_runs, stamp, sweep, write_config
+from daemon_harness import (
+    Cluster,
+    assert_each_tick_once_and_every_run_recorded,
+    overlaps,
+    read_rows,
+    read_runs,
+    stamp,
+    sweep,
+    write_config,
+)
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
@@ -165,8 +174,8 @@ def test_a_restart_of_the_database_costs_no_tick_once_it_answers(
         due = range(math.ceil(back + 1.0), math.floor(stopped_at))
         missed = [t for t in due if t not in ran]
         assert not missed, f"{name}: ticks due after the server was back that never ran: {missed}"
-    statuses = Counter(row["status"] for row in read_rows(url))
-    assert statuses["running"] == 0, statuses
+    # No tick twice, no run without its row, and every row says how its run ended.
+    assert_each_tick_once_and_every_run_recorded(runs, read_rows(url))
     # Once the server answers, no statement fails on a connection that died with it.
     late = [
         event

@@ -32,7 +32,6 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import yaml
 from conftest import IN_CI
 from daemon_harness import (
     Cluster,
+    assert_each_tick_once_and_every_run_recorded,
     of,
     overlaps,
     read_rows,
@@ -65,30 +65,10 @@ MakeDatabase = Callable[[str], str]
 
 TTL = 3.0  # the default lease ttl, which these drills do not set
 TIMEOUT = 60.0  # bounds every wait on a process
-TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}
 ENDS = ("end", "stopped", "cancelled", "fail")
 
 
 # -- what every drill asserts -------------------------------------------------------------------
-
-
-def assert_each_tick_once_and_every_run_recorded(runs: list[Event], rows: list[Event]) -> None:
-    """No tick started twice, by any replica; every run that started has its row, and every row
-    says how its run ended."""
-    started = Counter((r["sweep"], seconds(r["tick"])) for r in runs if r["event"] == "start")
-    twice = {key: n for key, n in started.items() if n > 1}
-    assert not twice, f"ticks started more than once: {twice}"
-    recorded = {(r["name"], row_seconds(r["tick"]), r["fencing_token"]) for r in rows}
-    unrecorded = [
-        r
-        for r in runs
-        if r["event"] == "start" and (r["sweep"], seconds(r["tick"]), r["token"]) not in recorded
-    ]
-    assert not unrecorded, f"runs without a row: {unrecorded[:5]}"
-    open_rows = [
-        (r["name"], str(r["tick"]), r["status"]) for r in rows if r["status"] not in TERMINAL
-    ]
-    assert not open_rows, f"rows that do not say how their run ended: {open_rows[:5]}"
 
 
 def assert_no_traceback(logs: list[list[Event]]) -> None:
@@ -96,11 +76,6 @@ def assert_no_traceback(logs: list[list[Event]]) -> None:
         raw = [e["line"] for e in log if e.get("event") == "raw"]
         assert not raw, f"replica {i} wrote lines that are not JSON (a traceback?): {raw[:5]}"
         assert of(log, "daemon.stopped"), f"replica {i} did not drain: {log[-5:]}"
-
-
-def row_seconds(value: datetime) -> float:
-    """A row's datetime in Unix seconds (a naive one is UTC, as MySQL's driver returns it)."""
-    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp()
 
 
 def holder_in(log: list[Event]) -> str:
