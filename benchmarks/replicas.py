@@ -28,12 +28,16 @@ behind it. Reported, for the ticks in the window:
   context switches (summed over the threads in ``/proc/PID/task``; a wakeup each);
 * where a run's time goes: tick to ``tick.claimed`` to the sweep's line to
   ``run.finished``, from the log's timestamps;
-* where the machine's CPU went (``/proc/stat``; the PostgreSQL server through its postmaster)
-  and, on PostgreSQL, what the benchmark database's backends were doing (``pg_stat_activity``
-  sampled every 50 ms);
+* where the machine's CPU went (``/proc/stat``; the PostgreSQL server through its postmaster,
+  MariaDB's through its pid file) and, on PostgreSQL, what the benchmark database's backends
+  were doing (``pg_stat_activity`` sampled every 50 ms);
 * SQL per tick: PostgreSQL's ``pg_stat_database`` transaction count of the benchmark database
   (every autocommit statement and every ping is one) over the window, divided by the ticks;
   MariaDB's global ``Com_*`` counters (shared with anyone else on the server); none for SQLite.
+
+``--json PATH`` appends those figures to PATH as one JSON line (config, results, and CPU
+per run: replica and database seconds over the window divided by the window's runs), plus, for
+aligned ticks, the burst drain: the first run's start to the last one's, p50 over the bursts.
 
 ``--idle`` is one replica with 1,000 sweeps every minute: what a daemon costs while it mostly
 waits; CPU and wakeups are also given for the stretches between bursts.
@@ -95,6 +99,8 @@ MARIADB_COUNTERS = (
     "Questions",
 )
 SAMPLE_SECONDS = 0.5
+# The counter --json divides by the ticks run for "SQL per tick".
+SQL_COUNTER = {"postgresql": "xact_commit", "mariadb": "Questions"}
 ACTIVITY_SECONDS = 0.05
 
 # The sweep the replicas run. One write per line with O_APPEND, into a file per process,
@@ -211,16 +217,20 @@ class ServerCounters:
             ).all()
             return Counter({str(row[0]): int(row[1]) for row in rows})
 
-    def postmaster(self) -> int | None:
-        """The PostgreSQL server's main process: the parent of this reader's backend."""
-        if self.reader is None or self.dialect != "postgresql":
+    def server_process(self) -> int | None:
+        """The server's main process: PostgreSQL's postmaster (the parent of this reader's
+        backend) or MariaDB's one process (its pid file)."""
+        if self.reader is None:
             return None
-        with self.reader.connect() as connection:
-            backend = int(connection.execute(text("SELECT pg_backend_pid()")).scalar_one())
         try:
+            with self.reader.connect() as connection:
+                if self.dialect == "mariadb":
+                    pid_file = str(connection.execute(text("SELECT @@pid_file")).scalar_one())
+                    return int(Path(pid_file).read_text())
+                backend = int(connection.execute(text("SELECT pg_backend_pid()")).scalar_one())
             with open(f"/proc/{backend}/stat", encoding="ascii") as stat:
                 return int(stat.read().rpartition(")")[2].split()[1])
-        except OSError:
+        except (OSError, ValueError):
             return None  # a server in another namespace or on another host
 
     def activity(self, stop: threading.Event, every: float, into: Counter[str]) -> None:
@@ -261,8 +271,9 @@ def process_cpu(pid: int) -> float | None:
 
 
 def server_cpu(postmaster: int | None) -> float:
-    """User + sys seconds of the whole PostgreSQL server: the postmaster, its live children,
-    and (through the postmaster's children times) every backend that has exited."""
+    """User + sys seconds of the whole database server: the main process (all its threads,
+    MariaDB's whole server), its live children, and (through its children times) every
+    PostgreSQL backend that has exited."""
     if postmaster is None:
         return math.nan
     with open(f"/proc/{postmaster}/stat", encoding="ascii") as stat:
@@ -713,6 +724,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     result.version = version
     result.took = time.perf_counter() - wall_started
     report(args, result)
+    if args.json is not None:
+        with args.json.open("a") as out:
+            out.write(json.dumps(figures(args, result)) + "\n")
     return 0
 
 
@@ -767,7 +781,7 @@ def measure(
     wait_until(window.start)
     counts_before = counters.read()
     busy_before = machine_busy()
-    postmaster = counters.postmaster()
+    postmaster = counters.server_process()
     server_before = server_cpu(postmaster)
     activity: Counter[str] = Counter()
     stop_activity = threading.Event()
@@ -860,14 +874,21 @@ def measure(
 # -- the report -----------------------------------------------------------------------------
 
 
-def report(args: argparse.Namespace, result: Result) -> None:
-    window = result.window
-    ticks = window.ticks()
-    expected = expected_ticks(args, window)
+def tally(
+    args: argparse.Namespace, result: Result
+) -> tuple[set[tuple[str, int]], list[Run], Counter[tuple[str, int]], int, int]:
+    """The window's ticks: expected, their runs, runs per tick, duplicated, missed."""
+    expected = expected_ticks(args, result.window)
     runs = [run for run in result.runs if (run.sweep, run.tick_us) in expected]
     count = Counter((run.sweep, run.tick_us) for run in runs)
     duplicated = sum(n - 1 for n in count.values() if n > 1)
-    missed = len(expected - count.keys())
+    return expected, runs, count, duplicated, len(expected - count.keys())
+
+
+def report(args: argparse.Namespace, result: Result) -> None:
+    window = result.window
+    ticks = window.ticks()
+    expected, runs, count, duplicated, missed = tally(args, result)
     lateness = [run.lateness for run in runs]
     claimed = [
         float(event["lateness"]) for event in result.claims if event.get("lateness") is not None
@@ -969,9 +990,15 @@ def report(args: argparse.Namespace, result: Result) -> None:
         " context switches of the threads alive at both ends of an interval."
     )
     replicas_cpu = sum(result.last[i].cpu - result.first[i].cpu for i in range(len(result.pids)))
+    mariadb = args.dialect == "mariadb"
     cpu_table = Table(
         "Where the machine's CPU went in the window (cores busy on average)",
-        ["whole machine", "replicas", "PostgreSQL server", "everything else"],
+        [
+            "whole machine",
+            "replicas",
+            "MariaDB server" if mariadb else "PostgreSQL server",
+            "everything else",
+        ],
     )
     server = result.server_cpu
     cpu_table.add(
@@ -981,8 +1008,12 @@ def report(args: argparse.Namespace, result: Result) -> None:
         f"{(result.machine_busy - replicas_cpu - (0 if math.isnan(server) else server)) / seconds:.2f}",
     )
     cpu_table.notes.append(
-        "PostgreSQL server: the postmaster and all its processes, exited backends included"
-        " (every database on the server, so other users' queries count too)."
+        (
+            "MariaDB server: the mariadbd process, all its threads"
+            if mariadb
+            else "PostgreSQL server: the postmaster and all its processes, exited backends included"
+        )
+        + " (every database on the server, so other users' queries count too)."
     )
     tables = [ticks_table, late_table, phase_table, process_table, cpu_table]
     if result.activity:
@@ -1116,6 +1147,74 @@ def sql_table(args: argparse.Namespace, result: Result, ticks: int, run: int) ->
     return None
 
 
+def burst_drains(runs: list[Run]) -> list[float]:
+    """Per tick, its first run's start to its last one's: how long an aligned burst takes."""
+    starts: dict[int, list[float]] = {}
+    for run in runs:
+        starts.setdefault(run.tick_us, []).append(run.at)
+    return [max(at) - min(at) for at in starts.values()]
+
+
+def finite(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def figures(args: argparse.Namespace, result: Result) -> dict[str, Any]:
+    """The report's main figures as one JSON object (--json); a figure not measured is null."""
+    expected, runs, count, duplicated, missed = tally(args, result)
+    lateness = [run.lateness for run in runs]
+    cpu = [result.last[i].cpu - result.first[i].cpu for i in range(len(result.pids))]
+    # SQLite has no server: its work is inside the replicas' CPU.
+    db_cpu = 0.0 if args.dialect == "sqlite" else finite(result.server_cpu)
+    sql = SQL_COUNTER.get(args.dialect)
+
+    def per_run_ms(seconds: float | None) -> float | None:
+        return seconds / len(runs) * 1e3 if runs and seconds is not None else None
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": {
+            "dialect": args.dialect,
+            "replicas": args.replicas,
+            "sweeps": args.sweeps,
+            "interval_s": args.interval.total_seconds(),
+            "spread": args.spread,
+            "concurrency": args.concurrency,  # null: sweepd's own default
+            "seconds": args.seconds,
+            "cores": os.cpu_count(),
+        },
+        "results": {
+            "expected": len(expected),
+            "run": len(count),
+            "duplicated": duplicated,
+            "missed": missed,
+            **{
+                f"lateness_p{q}_ms": finite(percentile(lateness, q / 100) * 1e3)
+                for q in (50, 90, 99)
+            },
+            "cpu_s": cpu,
+            "cpu_s_total": sum(cpu),
+            "db_cpu_s": db_cpu,
+            "machine_busy_s": result.machine_busy,
+            "peak_rss_mib": [result.last[i].hwm_kib / 1024 for i in range(len(result.pids))],
+            "sql_counter": sql,
+            "sql_per_tick": result.server[sql] / len(count) if sql and count else None,
+            "burst_drain_p50_ms": None
+            if args.spread
+            else finite(percentile(burst_drains(runs), 0.5) * 1e3),
+            "errors": len(result.errors),
+            "took_s": result.took,
+        },
+        "derived": {
+            "cpu_per_run_ms": {
+                "replica": per_run_ms(sum(cpu)),
+                "db": per_run_ms(db_cpu),
+                "total": per_run_ms(None if db_cpu is None else sum(cpu) + db_cpu),
+            },
+        },
+    }
+
+
 def machine_facts(version: str) -> list[str]:
     model = "?"
     try:
@@ -1188,6 +1287,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--db-threads",
         type=int,
         help="experiment: the bound on the replicas' database threads (patched in)",
+    )
+    parser.add_argument(
+        "--json", type=Path, help="append this run's figures to this file, one JSON line"
     )
     parser.add_argument("--profile", type=Path, help="py-spy record replica 0 into this folder")
     parser.add_argument(
