@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from sqlalchemy import select, text
@@ -30,8 +30,9 @@ from sweepd.db.engine import make_engine
 from sweepd.db.schema import sweep_runs
 
 HERE = Path(__file__).resolve().parent
-TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}  # every end a row can say
 REPO = HERE.parents[1]
+TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}  # every end a row can say
+T = TypeVar("T")
 
 
 def write_config(path: Path, database_url: str, sweeps: list[dict[str, Any]], **top: Any) -> Path:
@@ -179,9 +180,9 @@ def overlaps(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str,
     return found
 
 
-def row_seconds(value: datetime) -> float:
-    """A row's datetime in Unix seconds (a naive one is UTC, as MySQL's driver returns it)."""
-    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp()
+def row_time(value: datetime) -> float:
+    """A row's datetime in Unix seconds, whatever the driver returned (naive is UTC)."""
+    return seconds(value if value.tzinfo is not None else value.replace(tzinfo=UTC))
 
 
 def seconds(value: str | datetime) -> float:
@@ -194,6 +195,22 @@ def seconds(value: str | datetime) -> float:
 def stamp(event: dict[str, Any]) -> float:
     """Unix seconds of a log event's ``timestamp``."""
     return seconds(str(event["timestamp"]))
+
+
+def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    """``check()``'s first value other than None, polling for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found is not None:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+def sleep_until(instant: float) -> None:
+    """Sleep until Unix time ``instant`` (a moment of the scenario, never more than seconds)."""
+    time.sleep(max(0.0, instant - time.time()))
 
 
 def of(events: list[dict[str, Any]], name: str, **fields: Any) -> list[dict[str, Any]]:
@@ -223,7 +240,7 @@ def assert_each_tick_once_and_every_run_recorded(
     started = Counter((r["sweep"], seconds(r["tick"])) for r in runs if r["event"] == "start")
     twice = {key: n for key, n in started.items() if n > 1}
     assert not twice, f"ticks started more than once: {twice}"
-    recorded = {(r["name"], row_seconds(r["tick"]), r["fencing_token"]) for r in rows}
+    recorded = {(r["name"], row_time(r["tick"]), r["fencing_token"]) for r in rows}
     unrecorded = [
         r
         for r in runs

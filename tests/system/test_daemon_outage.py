@@ -24,11 +24,13 @@ from typing import Any
 import pytest
 from daemon_harness import (
     Cluster,
+    assert_each_tick_once_and_every_run_recorded,
     of,
     overlaps,
     read_rows,
     read_runs,
     seconds,
+    sleep_until,
     stamp,
     stop_all,
     sweep,
@@ -106,10 +108,6 @@ def between(events: list[Event], begin: float, end: float) -> list[Event]:
 
 def iso_z(instant: float) -> str:
     return datetime.fromtimestamp(instant, UTC).isoformat().replace("+00:00", "Z")
-
-
-def sleep_until(instant: float) -> None:
-    time.sleep(max(0.0, instant - time.time()))
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -266,21 +264,6 @@ def test_a_ten_second_outage_under_two_replicas(rig: Rig, tmp_path: Path) -> Non
             f" {len(refused)} store_unavailable skips, the last {refused[-1:]}"
         )
 
-    # -- each tick at most once, never overlapping -------------------------------------------
-    starts = Counter((r["sweep"], seconds(r["tick"])) for r in runs if r["event"] == "start")
-    twice = {key: n for key, n in starts.items() if n > 1}
-    assert not twice, f"ticks started more than once: {twice}"
+    # -- each tick at most once, never overlapping, every run with a row that says how it ended
     assert overlaps(runs) == []
-    # No run without its row: the row is written before the sweep's code is called.
-    recorded = {(r["name"], seconds(r["tick"]), r["fencing_token"]) for r in rows}
-    unrecorded = [
-        r
-        for r in runs
-        if r["event"] == "start" and (r["sweep"], seconds(r["tick"]), r["token"]) not in recorded
-    ]
-    assert not unrecorded, unrecorded
-
-    # -- every row says how its run ended -----------------------------------------------------
-    assert not left_running, "rows still 'running' after both replicas drained: " + str(
-        [(r["name"], str(r["tick"]), r["holder"], r["fencing_token"]) for r in left_running]
-    )
+    assert_each_tick_once_and_every_run_recorded(runs, rows)

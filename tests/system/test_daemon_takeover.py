@@ -30,7 +30,6 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,10 +41,13 @@ from daemon_harness import (
     overlaps,
     read_rows,
     read_runs,
+    row_time,
     seconds,
+    sleep_until,
     stamp,
     stop_all,
     sweep,
+    wait_until,
     write_config,
 )
 from sqlalchemy.engine import make_url
@@ -81,17 +83,6 @@ STOP_AFTER = 0.4  # seconds into a run: past its claim, before its end and its f
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    """``check()``'s first value other than None, polling for up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found is not None:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def holder_of(replica: Replica) -> str:
@@ -147,11 +138,6 @@ def twice_run(runs: list[Event]) -> dict[tuple[str, str], int]:
     return {key: n for key, n in started.items() if n > 1}
 
 
-def row_time(value: datetime) -> float:
-    """A row's datetime in Unix seconds, whatever the driver returned (naive is UTC)."""
-    return seconds(value if value.tzinfo is not None else value.replace(tzinfo=UTC))
-
-
 def row_key(row: Event) -> tuple[str, float]:
     return row["name"], row_time(row["tick"])
 
@@ -194,11 +180,6 @@ def start_one_sweep(
         lambda: next((r for r in read_runs(out) if r["event"] == "start"), None), 20, "a run"
     )
     return replicas, first, next(r for r in replicas if r.pid == first["pid"])
-
-
-def sleep_until(instant: float) -> None:
-    """Sleep until Unix time ``instant`` (a moment of the scenario, never more than seconds)."""
-    time.sleep(max(0.0, instant - time.time()))
 
 
 # -- 1. SIGKILL: the killed replica's sweeps run again within about one ttl -------------------

@@ -9,6 +9,7 @@ leases are released, and the process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -31,6 +32,8 @@ from daemon_harness import (
 )
 
 from sweepd.db.engine import make_engine
+from sweepd.embedded import Scheduler
+from sweepd.errors import ConfigError
 from sweepd.lease import LeaseStore
 
 pytestmark = pytest.mark.slow
@@ -136,3 +139,37 @@ def test_the_recipe_runs_the_sweeps_and_the_host_drains_them(name: str, tmp_path
             assert lease is not None and lease.expires_at <= now + timedelta(seconds=0.5), lease
     finally:
         engine.dispose()
+
+
+def test_a_bad_config_raises_every_problem_located_before_anything_starts(tmp_path: Path) -> None:
+    config = tmp_path / "sweepd.yaml"
+    config.write_text("sweeps:\n  - name: a\n    every: soon\n  - name: b\n    every: 1s\n")
+    with pytest.raises(ConfigError) as raised:
+        Scheduler(config, database_url=f"sqlite:///{tmp_path / 'sweepd.db'}")
+    where = sorted((p.location, p.path) for p in raised.value.problems)
+    # Both sweeps lack a callable, and the first's interval is no duration.
+    assert where == [
+        (f"{config}:2:5", "sweeps[0]"),
+        (f"{config}:3:12", "sweeps[0].every"),
+        (f"{config}:4:5", "sweeps[1]"),
+    ], where
+    assert not (tmp_path / "sweepd.db").exists()
+
+
+def test_reload_reads_the_file_again_on_the_hosts_loop(tmp_path: Path) -> None:
+    out, url = tmp_path / "runs.jsonl", f"sqlite:///{tmp_path / 'sweepd.db'}"
+    config = write_config(tmp_path / "sweepd.yaml", url, [sweep("first", out)])
+
+    async def ran(name: str) -> None:
+        while not any(r["sweep"] == name for r in read_runs(out)):
+            await asyncio.sleep(0.02)
+
+    async def host() -> None:
+        async with Scheduler(config) as scheduler:
+            await asyncio.wait_for(ran("first"), TIMEOUT)
+            write_config(config, url, [sweep("first", out), sweep("added", out)])
+            scheduler.reload()
+            await asyncio.wait_for(ran("added"), TIMEOUT)
+
+    asyncio.run(host())
+    assert_each_tick_once_and_every_run_recorded(read_runs(out), read_rows(url))

@@ -46,10 +46,12 @@ from daemon_harness import (
     read_rows,
     read_runs,
     seconds,
+    sleep_until,
     stamp,
     stop_all,
     sweep,
     wait_for_backends_gone,
+    wait_until,
     write_config,
 )
 from sqlalchemy import create_engine, text
@@ -80,20 +82,6 @@ def assert_no_traceback(logs: list[list[Event]]) -> None:
 
 def holder_in(log: list[Event]) -> str:
     return str(of(log, "daemon.started")[0]["holder"])
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout}s")
-
-
-def sleep_until(instant: float) -> None:
-    time.sleep(max(0.0, instant - time.time()))
 
 
 def loud(events: list[Event], begin: float, end: float) -> list[Event]:
@@ -136,7 +124,7 @@ def test_a_replica_cut_off_for_two_ttls_is_told_overtaken_and_its_stale_write_re
         (cut,) = cluster.start(config("cut", proxied))
         # The cut-off replica runs the sweep first. A run is as long as the interval, so its
         # holder claims each next tick as it releases the last, and keeps the sweep.
-        wait_until(lambda: read_runs(out), 20, "a run of the cut-off replica")
+        wait_until(lambda: read_runs(out) or None, 20, "a run of the cut-off replica")
         cluster.start(config("direct", url))
         # A run of the cut-off replica that has just begun: its claim is through, its first
         # renewal (a second after the claim) and its write (a second into the run) are not.
@@ -159,7 +147,9 @@ def test_a_replica_cut_off_for_two_ttls_is_told_overtaken_and_its_stale_write_re
         healed = time.time()
         old = int(first["token"])
         wait_until(
-            lambda: [r for r in read_runs(out) if r["event"] == "end" and r["token"] == old],
+            lambda: (
+                [r for r in read_runs(out) if r["event"] == "end" and r["token"] == old] or None
+            ),
             10,
             "the stale run's write",
         )
