@@ -2,9 +2,9 @@
 would use instead, on one PostgreSQL, in one sitting.
 
 R replicas of each system run S sweeps every I seconds for D seconds; every
-run's body (``compare/record.py``) sleeps for its body time and writes one
-row, so what ran, where and when is read back from one table, the same way
-for every system. The systems, each a runner script in ``compare/``:
+run's body (``compare/record.py``) writes a row as it starts, sleeps for its
+body time and marks the row finished, so what ran, where and when is read
+back from one table, the same way for every system. The systems, each a runner script in ``compare/``:
 
 - ``sweepd``: ``sweepd run`` with a generated config and its defaults.
 - ``uncoordinated``: every replica runs every schedule (a crontab line or a
@@ -39,7 +39,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -234,10 +234,12 @@ def _measure(system: str, url: str, args: argparse.Namespace, plan: Scenario,
 
 
 def _kill_busiest(url: str, system: str, fleet: list[Replica], since: float) -> tuple[int, float]:
+    """SIGKILL the replica with the most runs in flight (then the most runs), now."""
     with psycopg.connect(url, autocommit=True) as connection:
         found = connection.execute(
-            "SELECT replica, count(*) FROM compare_runs WHERE system = %s AND started >= %s"
-            " GROUP BY replica ORDER BY count(*) DESC, replica LIMIT 1",
+            "SELECT replica FROM compare_runs WHERE system = %s AND started >= %s"
+            " GROUP BY replica ORDER BY count(*) FILTER (WHERE finished IS NULL) DESC,"
+            " count(*) DESC, replica LIMIT 1",
             (system, datetime.fromtimestamp(since, UTC)),
         ).fetchone()
     index = int(found[0]) if found else 0
@@ -274,7 +276,7 @@ class Run:
     sweep: str
     tick: float  # seconds since the epoch
     started: float
-    finished: float
+    finished: float  # nan: never returned (killed in flight, or cut off at the stop)
 
 
 def _rows(url: str, system: str) -> list[Run]:
@@ -283,8 +285,12 @@ def _rows(url: str, system: str) -> list[Run]:
             "SELECT replica, sweep, tick, started, finished FROM compare_runs WHERE system = %s",
             (system,),
         ).fetchall()
+
+    def seconds(instant: datetime | None) -> float:
+        return math.nan if instant is None else instant.timestamp()
+
     return [
-        Run(replica, sweep, tick.timestamp() if tick else math.nan, s.timestamp(), f.timestamp())
+        Run(replica, sweep, seconds(tick), s.timestamp(), seconds(f))
         for replica, sweep, tick, s, f in found
     ]
 
@@ -303,8 +309,12 @@ class Result:
     expected: int  # ticks in the window: sweeps x ticks
     runs: int
     duplicates: int  # runs of a tick beyond its first
-    coalesced: int  # ticks nobody ran while a run of that sweep was in progress
-    missed: int  # ticks nobody ran, no run of that sweep in progress
+    cut: int  # runs that started and never returned (in flight on the killed replica)
+    coalesced: int  # ticks nobody ran while an earlier tick of the sweep was not run to its end
+    # kill: ticks nobody ran between the kill and the sweep's first run after it,
+    # while the survivors could not yet tell the victim's runs were gone
+    missed_in_takeover: int
+    missed: int  # ticks nobody ran otherwise
     overlaps: int  # pairs of runs of one sweep that ran at the same time
     lateness_p50_ms: float
     lateness_p99_ms: float
@@ -328,17 +338,31 @@ def analyse(system: str, args: argparse.Namespace, plan: Scenario, rows: list[Ru
     ticks = [begin + k * interval for k in range(round((end - begin) / interval))]
     names = [f"sweep-{i}" for i in range(args.sweeps)]
     inside = [r for r in rows if begin - 1e-6 <= tick_of(r, interval) < end - 1e-6]
+    cut = sum(math.isnan(r.finished) for r in inside)
+    recorder_commits = 2 * len(inside) - cut  # its row at the start, and at the end
+    # A run that never returned was in progress until its replica died, or until the stop.
+    rows = [replace(r, finished=_cut_at(r, killed, end)) if math.isnan(r.finished) else r
+            for r in rows]  # fmt: skip
+    inside = [r for r in rows if begin - 1e-6 <= tick_of(r, interval) < end - 1e-6]
     by_tick = Counter((r.sweep, round(tick_of(r, interval) / interval)) for r in inside)
     runs_of: dict[str, list[Run]] = defaultdict(list)
     for run in rows:
         runs_of[run.sweep].append(run)
-    coalesced = missed = 0
+    back = {} if killed is None else _back_after(runs_of, names, killed[1])
+    coalesced = missed = in_takeover = 0
     for name in names:
         for tick in ticks:
             if by_tick[(name, round(tick / interval))]:
                 continue
-            busy = any(r.started <= tick < r.finished for r in runs_of[name])
-            coalesced, missed = coalesced + busy, missed + (not busy)
+            # Busy from a run's tick, not its start: a tick that comes while the
+            # previous one waits for its run (queued behind the one before) is
+            # folded by single-flight as much as one that comes mid-run.
+            if any(tick_of(r, interval) <= tick < r.finished for r in runs_of[name]):
+                coalesced += 1
+            elif killed is not None and killed[1] <= tick < back[name]:
+                in_takeover += 1
+            else:
+                missed += 1
     lateness = [r.started - tick_of(r, interval) for r in inside]
     live = [v for v in cpu.values() if not math.isnan(v)]
     return Result(
@@ -350,17 +374,34 @@ def analyse(system: str, args: argparse.Namespace, plan: Scenario, rows: list[Ru
         seconds=args.seconds,
         expected=len(ticks) * len(names),
         runs=len(inside),
+        cut=cut,
         duplicates=sum(count - 1 for count in by_tick.values()),
         coalesced=coalesced,
+        missed_in_takeover=in_takeover,
         missed=missed,
         overlaps=_overlaps(inside),
         lateness_p50_ms=replicas.percentile(lateness, 0.5) * 1e3,
         lateness_p99_ms=replicas.percentile(lateness, 0.99) * 1e3,
         cpu_s_per_replica=sum(live) / len(live) if live else math.nan,
         peak_rss_mib=max((v for v in hwm.values() if not math.isnan(v)), default=math.nan),
-        commits_per_run=(commits - len(inside)) / len(inside) if inside else math.nan,
-        takeover_s=None if killed is None else _takeover(rows, killed[1]),
+        commits_per_run=(commits - recorder_commits) / len(inside) if inside else math.nan,
+        takeover_s=None if killed is None else max(back.values(), default=0.0) - killed[1],
     )
+
+
+def _cut_at(run: Run, killed: tuple[int, float] | None, end: float) -> float:
+    """When a run that never returned stopped: its replica's death, else the window's end."""
+    return killed[1] if killed is not None and run.replica == killed[0] else end
+
+
+def _back_after(runs_of: dict[str, list[Run]], names: list[str], at: float) -> dict[str, float]:
+    """Per sweep, when its first run after the kill started (inf: none did). The
+    sweeps whose run died with the replica are the last: until their leases,
+    locks or jobs time out, nobody can tell a dead holder from a slow one."""
+    return {
+        name: min((r.started for r in runs_of[name] if r.started >= at), default=math.inf)
+        for name in names
+    }
 
 
 def _overlaps(runs: list[Run]) -> int:
@@ -375,32 +416,21 @@ def _overlaps(runs: list[Run]) -> int:
     )
 
 
-def _takeover(rows: list[Run], at: float) -> float:
-    """Seconds from the kill until every sweep had started a run again: the
-    sweeps whose run died with the replica are the last (their rows, written
-    when a run ends, never came)."""
-    names = {run.sweep for run in rows}
-    first = dict.fromkeys(names, math.inf)
-    for run in rows:
-        if run.started >= at:
-            first[run.sweep] = min(first[run.sweep], run.started)
-    return max((start - at for start in first.values()), default=0.0)
-
-
 # -- output -----------------------------------------------------------------------------
 
 
 def table(results: list[Result]) -> replicas.Table:
     out = replicas.Table(
         "compare",
-        ["scenario", "system", "runs / expected", "duplicates", "coalesced", "missed",
-         "self-overlaps", "lateness p50 / p99 (ms)", "CPU s / replica", "peak RSS MiB",
-         "commits / run", "takeover s"],
+        ["scenario", "system", "runs / expected", "cut", "duplicates", "coalesced",
+         "missed in takeover", "missed", "self-overlaps", "lateness p50 / p99 (ms)",
+         "CPU s / replica", "peak RSS MiB", "commits / run", "takeover s"],
     )  # fmt: skip
     for r in results:
         out.add(
-            r.scenario, r.system, f"{r.runs} / {r.expected}", r.duplicates, r.coalesced,
-            r.missed, r.overlaps, f"{r.lateness_p50_ms:.1f} / {r.lateness_p99_ms:.1f}",
+            r.scenario, r.system, f"{r.runs} / {r.expected}", r.cut, r.duplicates, r.coalesced,
+            r.missed_in_takeover, r.missed, r.overlaps,
+            f"{r.lateness_p50_ms:.1f} / {r.lateness_p99_ms:.1f}",
             f"{r.cpu_s_per_replica:.2f}", f"{r.peak_rss_mib:.0f}", f"{r.commits_per_run:.2f}",
             "-" if r.takeover_s is None else f"{r.takeover_s:.1f}",
         )  # fmt: skip

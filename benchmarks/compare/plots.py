@@ -17,7 +17,11 @@ import matplotlib.pyplot as plt
 
 PANELS = (
     ("lateness (ms)", ("lateness_p50_ms", "lateness_p99_ms"), ("p50", "p99")),
-    ("ticks", ("duplicates", "missed", "coalesced"), ("extra runs", "nobody ran", "coalesced")),
+    (
+        "ticks",
+        ("duplicates", "missed", "missed_in_takeover", "coalesced"),
+        ("extra runs", "nobody ran", "nobody ran, in takeover", "coalesced"),
+    ),
     ("CPU s per replica", ("cpu_s_per_replica",), ("window",)),
     ("DB commits per run", ("commits_per_run",), ("commits",)),
 )

@@ -1,5 +1,7 @@
-"""What every system's sweep body does in benchmarks/compare.py: sleep for its
-body time and record the run, one row in ``compare_runs``.
+"""What every system's sweep body does in benchmarks/compare.py: record that the
+run started, sleep for its body time, record that it finished; one row in
+``compare_runs``. The row is written first so that a run killed with its
+replica still shows as started: its tick was run, if not to the end.
 
 Imported by each system's runner script, in that system's own virtualenv, so
 it needs nothing but psycopg 3. The harness creates the table and reads it.
@@ -23,7 +25,7 @@ CREATE TABLE IF NOT EXISTS compare_runs (
     sweep text NOT NULL,
     tick timestamptz,
     started timestamptz NOT NULL,
-    finished timestamptz NOT NULL
+    finished timestamptz  -- null: the run never returned (killed in flight)
 )
 """
 
@@ -40,19 +42,19 @@ class Recorder:
         self._lock = threading.Lock()
 
     def run(self, sweep: str, tick: datetime | None, body_seconds: float) -> None:
-        """The sweep's body: sleep ``body_seconds`` (a sync sweep), then record."""
+        """The sweep's body: record its start, sleep ``body_seconds`` (a sync sweep), record its end."""
         started = datetime.now(UTC)
+        with self._lock:
+            found = self._connection.execute(
+                "INSERT INTO compare_runs (system, replica, sweep, tick, started)"
+                " VALUES (%s, %s, %s, %s, %s) RETURNING id",
+                (self.system, self.replica, sweep, tick, started),
+            ).fetchone()
+        assert found is not None
         time.sleep(self.long if self.long is not None and sweep == "sweep-0" else body_seconds)
-        self.record(sweep, tick, started, datetime.now(UTC))
-
-    def record(
-        self, sweep: str, tick: datetime | None, started: datetime, finished: datetime
-    ) -> None:
         with self._lock:
             self._connection.execute(
-                "INSERT INTO compare_runs (system, replica, sweep, tick, started, finished)"
-                " VALUES (%s, %s, %s, %s, %s, %s)",
-                (self.system, self.replica, sweep, tick, started, finished),
+                "UPDATE compare_runs SET finished = %s WHERE id = %s", (datetime.now(UTC), found[0])
             )
 
 
