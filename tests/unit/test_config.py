@@ -2,6 +2,7 @@
 
 import sys
 import textwrap
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -15,11 +16,15 @@ from sweepd.schedule import Cron, Every, next_tick
 
 
 @pytest.fixture
-def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> registry.Registry:
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[registry.Registry]:
     """A registry of this test's own, so decorated sweeps do not leak between tests."""
     fresh = registry.Registry()
     monkeypatch.setattr(registry, "REGISTRY", fresh)
-    return fresh
+    yield fresh
+    # A module first imported under this registry declared its sweeps here alone:
+    # forgotten, its next import declares them where the next test looks.
+    for module in {declared.func.__module__ for declared in fresh.all()}:
+        sys.modules.pop(module, None)
 
 
 @pytest.fixture
