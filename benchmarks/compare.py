@@ -4,7 +4,8 @@ would use instead, on one PostgreSQL, in one sitting.
 R replicas of each system run S sweeps every I seconds for D seconds; every
 run's body (``compare/record.py``) writes a row as it starts, sleeps for its
 body time and marks the row finished, so what ran, where and when is read
-back from one table, the same way for every system. The systems, each a runner script in ``compare/``:
+back from one table, the same way for every system. The systems, each a
+runner script in ``compare/``:
 
 - ``sweepd``: ``sweepd run`` with a generated config and its defaults.
 - ``uncoordinated``: every replica runs every schedule (a crontab line or a
@@ -309,7 +310,7 @@ class Result:
     expected: int  # ticks in the window: sweeps x ticks
     runs: int
     duplicates: int  # runs of a tick beyond its first
-    cut: int  # runs that started and never returned (in flight on the killed replica)
+    cut: int  # runs that started and never returned (killed in flight, or running at the stop)
     coalesced: int  # ticks nobody ran while an earlier tick of the sweep was not run to its end
     # kill: ticks nobody ran between the kill and the sweep's first run after it,
     # while the survivors could not yet tell the victim's runs were gone

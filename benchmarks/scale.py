@@ -143,8 +143,9 @@ def table(points: list[dict[str, Any]]) -> replicas.Table:
         " server's (all of it, so other users' queries count too). Burst drain: an aligned"
         " tick's first run start to its last, p50 over the window's ticks. Peak RSS: the largest"
         " replica's. SQL per run: PostgreSQL's commits over the replicas' whole lives (every"
-        " statement, claims lost to other replicas and pings included) / the runs. Other load: the rest of the machine's busy CPU, on average; well above"
-        " zero, the point was not measured on a quiet machine."
+        " statement, claims lost to other replicas and pings included) / the runs. Other load:"
+        " the rest of the machine's busy CPU, on average; well above zero, the point was not"
+        " measured on a quiet machine."
     )
     return out
 

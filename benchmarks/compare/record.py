@@ -42,7 +42,7 @@ class Recorder:
         self._lock = threading.Lock()
 
     def run(self, sweep: str, tick: datetime | None, body_seconds: float) -> None:
-        """The sweep's body: record its start, sleep ``body_seconds`` (a sync sweep), record its end."""
+        """The sweep's body: its row, ``body_seconds`` of sleep (a sync sweep), its end."""
         started = datetime.now(UTC)
         with self._lock:
             found = self._connection.execute(
