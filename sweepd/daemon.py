@@ -42,6 +42,9 @@ from sweepd.schedule import Every, jitter_delay, next_tick, previous_tick, stale
 HISTORY_SWEEP = "sweepd.prune-history"
 # Extra time, past drain_timeout, that cancelled runs get to notice and return.
 CANCEL_GRACE_SECONDS = 2.0
+# At most one daemon.short_of_slots warning this often: a replica that falls
+# behind folds ticks of many sweeps every interval, and one line a minute says it.
+SHORT_OF_SLOTS_EVERY_SECONDS = 60.0
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Daemon:
         self._rank: dict[str, float] = {}  # this replica's order of the sweeps (_push)
         self._wake = asyncio.Event()
         self._stopping = self._reload_requested = False
+        self._short_of_slots: float | None = None  # when it was last said (monotonic)
+        self._folded_unstarted = 0  # ticks folded behind unstarted ones since then
         self.last_fired: datetime | None = None  # the latest tick handed to a flight
         # Told of each change of state, on the loop: "started" (schedules loaded),
         # "reloading", "reloaded" (taken or not), "draining" and "stopped". systemd's
@@ -327,6 +332,36 @@ class Daemon:
         else:
             folded = tick
         self._skip(flight.sweep, folded, "coalesced", kept=iso(flight.waiting))
+        if name not in self.runner.inflight:
+            self._behind(flight.sweep)
+
+    def _behind(self, sweep: SweepDef) -> None:
+        """A tick folded while the one before it has still not started: not a
+        long run (that folds quietly, as single-flight should), but a replica
+        whose slots or claims cannot keep up, which would otherwise show only
+        as info lines and lateness."""
+        self._folded_unstarted += 1
+        now = self.clock.monotonic()
+        if (
+            self._short_of_slots is not None
+            and now - self._short_of_slots < SHORT_OF_SLOTS_EVERY_SECONDS
+        ):
+            return
+        self._short_of_slots = now
+        waiting = sum(
+            f.task is not None and f.sweep.name not in self.runner.inflight
+            for f in list(self.flights.values())
+        )
+        self.log.warning(
+            "daemon.short_of_slots",
+            sweep=sweep.name,
+            folded=self._folded_unstarted,
+            waiting=waiting,
+            concurrency=self.settings.concurrency,
+            note="ticks are folded before the one ahead of them has started: raise concurrency,"
+            " add replicas, or look for slow claims",
+        )
+        self._folded_unstarted = 0
 
     def _skip(self, sweep: SweepDef, tick: datetime, reason: str, **fields: Any) -> None:
         self.stats[f"skipped.{reason}"] += 1

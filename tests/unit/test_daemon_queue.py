@@ -6,7 +6,7 @@ tests are about which ticks the daemon hands over, not about the lease
 """
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -45,18 +45,27 @@ class FakeClock:
 
 
 class HeldRunner:
-    """Runs that last until ``finish()``; records which ticks were run."""
+    """Runs that last until ``finish()``; records which ticks were run.
 
-    def __init__(self) -> None:
+    With ``inflight`` (the real runner's), a run's code is running from its
+    start; without, every run is still waiting for a slot until it ends.
+    """
+
+    def __init__(self, inflight: dict[str, Any] | None = None) -> None:
         self.ran: list[tuple[str, datetime | None]] = []
         self.gate = asyncio.Event()
+        self.inflight = inflight
 
     async def execute(
         self, sweep: SweepDef, tick: datetime | None, trigger: str = "schedule"
     ) -> str:
         self.ran.append((sweep.name, tick))
+        if self.inflight is not None:
+            self.inflight[sweep.name] = tick
         await self.gate.wait()
         self.gate.clear()
+        if self.inflight is not None:
+            del self.inflight[sweep.name]
         return "success"
 
     async def finish(self) -> None:
@@ -73,7 +82,7 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 
 def daemon_for(
-    engine: Engine, coalesce: Coalesce = "latest", grace: float = 1.0
+    engine: Engine, coalesce: Coalesce = "latest", grace: float = 1.0, started: bool = False
 ) -> tuple[Daemon, HeldRunner]:
     sweep = SweepDef(
         name="slow",
@@ -92,7 +101,7 @@ def daemon_for(
         health_listen="",  # the HTTP side is tests/system/test_health.py's
     )
     daemon = Daemon(settings, engine, clock=FakeClock())
-    runner = HeldRunner()
+    runner = HeldRunner(daemon.runner.inflight if started else None)
     daemon.runner.execute = runner.execute  # type: ignore[method-assign]
     daemon.flights["slow"] = Flight(sweep)
     daemon._generation["slow"] = 1
@@ -126,6 +135,46 @@ def test_one_runs_one_waits_the_rest_fold(
         assert daemon.flights["slow"].task is None  # nothing left: the flight lands
 
     run(scenario())
+
+
+def short_of_slots(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e["event"] == "daemon.short_of_slots"]
+
+
+def test_folding_behind_a_tick_that_has_not_started_is_a_warning_a_minute(engine: Engine) -> None:
+    async def scenario() -> list[MutableMapping[str, Any]]:
+        daemon, runner = daemon_for(engine)  # tick 0 waits for a slot throughout
+        with capture_logs() as logs:
+            for second in range(4):  # 1 waits; 2 and 3 fold in front of an unstarted 0
+                fire(daemon, second)
+                await asyncio.sleep(0)
+            assert isinstance(daemon.clock, FakeClock)
+            daemon.clock.current = at(60)  # a minute after the first line
+            fire(daemon, 60)
+        await runner.finish()
+        await runner.finish()
+        return logs
+
+    first, second = short_of_slots(run(scenario()))
+    assert first["log_level"] == "warning"
+    assert (first["sweep"], first["folded"], first["waiting"]) == ("slow", 1, 1)
+    assert first["concurrency"] == 4
+    assert second["folded"] == 2  # tick 3's fold, said with tick 60's
+
+
+def test_folding_behind_a_long_run_is_quiet(engine: Engine) -> None:
+    async def scenario() -> list[MutableMapping[str, Any]]:
+        daemon, runner = daemon_for(engine, started=True)  # tick 0's code is running
+        with capture_logs() as logs:
+            for second in range(4):
+                fire(daemon, second)
+                await asyncio.sleep(0)
+        assert daemon.stats["skipped.coalesced"] == 2
+        await runner.finish()
+        await runner.finish()
+        return logs
+
+    assert short_of_slots(run(scenario())) == []
 
 
 def test_a_late_tick_is_missed_not_run(engine: Engine) -> None:
