@@ -332,11 +332,11 @@ class Daemon:
         else:
             folded = tick
         self._skip(flight.sweep, folded, "coalesced", kept=iso(flight.waiting))
-        if name not in self.runner.inflight:
+        if not self.runner.holds(name):
             self._behind(flight.sweep)
 
     def _behind(self, sweep: SweepDef) -> None:
-        """A tick folded while the one before it has still not started: not a
+        """A tick folded while the one ahead of it is still not claimed: not a
         long run (that folds quietly, as single-flight should), but a replica
         whose slots or claims cannot keep up, which would otherwise show only
         as info lines and lateness."""
@@ -349,7 +349,7 @@ class Daemon:
             return
         self._short_of_slots = now
         waiting = sum(
-            f.task is not None and f.sweep.name not in self.runner.inflight
+            f.task is not None and not self.runner.holds(f.sweep.name)
             for f in list(self.flights.values())
         )
         self.log.warning(
@@ -358,7 +358,7 @@ class Daemon:
             folded=self._folded_unstarted,
             waiting=waiting,
             concurrency=self.settings.concurrency,
-            note="ticks are folded before the one ahead of them has started: raise concurrency,"
+            note="ticks are folded before the one ahead of them is claimed: raise concurrency,"
             " add replicas, or look for slow claims",
         )
         self._folded_unstarted = 0

@@ -151,6 +151,11 @@ class Runner:
             )
         return await self._run(sweep, tick, trigger, opened, log)
 
+    def holds(self, name: str) -> bool:
+        """Whether a tick of ``name`` is claimed here: from its claim, through its
+        attempts, their backoff and a timed-out thread, to its release."""
+        return self.renewals.holds(name)
+
     def drain(self) -> None:
         """Claim nothing more: ticks waiting for a slot are answered ``draining``, no retries."""
         self.draining = True
@@ -590,6 +595,9 @@ class Renewals:
     def hold(self, sweep: SweepDef, token: int, lost: threading.Event, log: Any) -> None:
         self._held[sweep.name] = Held(sweep, token, lost, log, self.clock.monotonic())
         self._schedule()
+
+    def holds(self, name: str) -> bool:
+        return name in self._held
 
     def drop(self, name: str) -> None:
         """The run is over: its lease is released with its row, not renewed."""

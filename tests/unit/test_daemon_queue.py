@@ -47,25 +47,28 @@ class FakeClock:
 class HeldRunner:
     """Runs that last until ``finish()``; records which ticks were run.
 
-    With ``inflight`` (the real runner's), a run's code is running from its
-    start; without, every run is still waiting for a slot until it ends.
+    With ``claims``, a run's tick is claimed from its start (``holds`` says
+    so); without, every run's tick is still waiting for a slot until it ends.
     """
 
-    def __init__(self, inflight: dict[str, Any] | None = None) -> None:
+    def __init__(self, claims: bool = False) -> None:
         self.ran: list[tuple[str, datetime | None]] = []
         self.gate = asyncio.Event()
-        self.inflight = inflight
+        self.claims = claims
+        self.held: set[str] = set()
+
+    def holds(self, name: str) -> bool:
+        return name in self.held
 
     async def execute(
         self, sweep: SweepDef, tick: datetime | None, trigger: str = "schedule"
     ) -> str:
         self.ran.append((sweep.name, tick))
-        if self.inflight is not None:
-            self.inflight[sweep.name] = tick
+        if self.claims:
+            self.held.add(sweep.name)
         await self.gate.wait()
         self.gate.clear()
-        if self.inflight is not None:
-            del self.inflight[sweep.name]
+        self.held.discard(sweep.name)
         return "success"
 
     async def finish(self) -> None:
@@ -82,7 +85,7 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 
 def daemon_for(
-    engine: Engine, coalesce: Coalesce = "latest", grace: float = 1.0, started: bool = False
+    engine: Engine, coalesce: Coalesce = "latest", grace: float = 1.0, claimed: bool = False
 ) -> tuple[Daemon, HeldRunner]:
     sweep = SweepDef(
         name="slow",
@@ -101,8 +104,9 @@ def daemon_for(
         health_listen="",  # the HTTP side is tests/system/test_health.py's
     )
     daemon = Daemon(settings, engine, clock=FakeClock())
-    runner = HeldRunner(daemon.runner.inflight if started else None)
+    runner = HeldRunner(claims=claimed)
     daemon.runner.execute = runner.execute  # type: ignore[method-assign]
+    daemon.runner.holds = runner.holds  # type: ignore[method-assign]
     daemon.flights["slow"] = Flight(sweep)
     daemon._generation["slow"] = 1
     return daemon, runner
@@ -141,7 +145,7 @@ def short_of_slots(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[
     return [e for e in logs if e["event"] == "daemon.short_of_slots"]
 
 
-def test_folding_behind_a_tick_that_has_not_started_is_a_warning_a_minute(engine: Engine) -> None:
+def test_folding_behind_a_tick_not_yet_claimed_is_a_warning_a_minute(engine: Engine) -> None:
     async def scenario() -> list[MutableMapping[str, Any]]:
         daemon, runner = daemon_for(engine)  # tick 0 waits for a slot throughout
         with capture_logs() as logs:
@@ -164,7 +168,7 @@ def test_folding_behind_a_tick_that_has_not_started_is_a_warning_a_minute(engine
 
 def test_folding_behind_a_long_run_is_quiet(engine: Engine) -> None:
     async def scenario() -> list[MutableMapping[str, Any]]:
-        daemon, runner = daemon_for(engine, started=True)  # tick 0's code is running
+        daemon, runner = daemon_for(engine, claimed=True)  # tick 0 is claimed and running
         with capture_logs() as logs:
             for second in range(4):
                 fire(daemon, second)
