@@ -32,6 +32,7 @@ from sweepd.db.schema import sweep_runs
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 TERMINAL = {"success", "failed", "timeout", "cancelled", "lost"}  # every end a row can say
+Event = dict[str, Any]  # one line of a daemon's JSON log
 T = TypeVar("T")
 
 

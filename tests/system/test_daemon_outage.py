@@ -16,14 +16,15 @@ import math
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
+from conftest import MakeDatabase
 from daemon_harness import (
     Cluster,
+    Event,
     assert_each_tick_once_and_every_run_recorded,
     of,
     overlaps,
@@ -44,8 +45,6 @@ from sweepd.db import migrate
 
 pytestmark = pytest.mark.slow
 
-Event = dict[str, Any]
-MakeDatabase = Callable[[str], str]
 
 # SQLite is not here: the outage is played by a proxy in front of a server, and a file has none.
 SERVER_DIALECTS = ["postgresql", "mariadb"]

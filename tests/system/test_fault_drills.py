@@ -31,15 +31,16 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import IN_CI
+from conftest import IN_CI, MakeDatabase
 from daemon_harness import (
     Cluster,
+    Event,
     assert_each_tick_once_and_every_run_recorded,
     of,
     overlaps,
@@ -62,8 +63,6 @@ from sweepd.db import migrate
 
 pytestmark = pytest.mark.slow
 
-Event = dict[str, Any]
-MakeDatabase = Callable[[str], str]
 
 TTL = 3.0  # the default lease ttl, which these drills do not set
 TIMEOUT = 60.0  # bounds every wait on a process
