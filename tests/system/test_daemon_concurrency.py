@@ -1,4 +1,5 @@
-"""`concurrency` (§5): at most that many different sweeps run at once in a replica.
+"""`concurrency` (§5): at most that many different sweeps run at once in a replica,
+and a replica with too few says so.
 
 Two real replicas with two slots each and six sweeps of 0.4 s due at the same
 instant every second: each replica must reach two runs at once (the slots
@@ -12,7 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import overlaps, read_runs, start_replicas, stop_all, sweep, write_config
+from daemon_harness import (
+    Replica,
+    overlaps,
+    read_runs,
+    start_replicas,
+    stop_all,
+    sweep,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +79,37 @@ def test_each_replica_runs_at_most_concurrency_sweeps_at_once(
     assert len(inner) >= 2, sorted(ticks)
     for tick in inner:
         assert len(ticks[tick]) == SWEEPS, (tick, sorted(ticks[tick]))
+
+
+def test_a_replica_short_of_slots_says_so_and_one_behind_a_long_run_does_not(
+    database_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "runs.jsonl"
+    # One slot for five 0.4 s sweeps a second: the backlog grows, until a tick
+    # comes while the one ahead of it still waits for the slot.
+    short = write_config(
+        tmp_path / "short.yaml",
+        database_url,
+        [sweep(f"busy-{n}", out, args={"duration": 0.4}, ttl="10s") for n in range(5)],
+        concurrency=1,
+    )
+    # A 2.5 s sweep every second with slots to spare: its ticks fold behind a
+    # claimed run, which is single-flight, not a shortage.
+    long = write_config(
+        tmp_path / "long.yaml",
+        database_url,
+        [sweep("long", out, args={"duration": 2.5}, ttl="10s")],
+        namespace="long",
+    )
+    replicas = [
+        Replica(short, tmp_path / "short.log").start(),
+        Replica(long, tmp_path / "long.log").start(),
+    ]
+    try:
+        warned = replicas[0].wait_for(lambda e: e.get("event") == "daemon.short_of_slots")
+        replicas[1].wait_for(lambda e: e.get("reason") == "coalesced", timeout=10)
+    finally:
+        assert stop_all(replicas) == [0, 0]
+    assert warned["level"] == "warning"
+    assert warned["concurrency"] == 1 and warned["waiting"] >= 1, warned
+    assert [e for e in replicas[1].events() if e.get("event") == "daemon.short_of_slots"] == []
