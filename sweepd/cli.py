@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast, get_args
@@ -239,8 +240,6 @@ def _serve(
 def _threads_left() -> list[str]:
     """Threads a sweep started and left running (not daemon threads): the
     interpreter's exit would wait for them, forever if they never end."""
-    import threading
-
     main = threading.main_thread()
     return [t.name for t in threading.enumerate() if t is not main and not t.daemon]
 
